@@ -1,0 +1,67 @@
+"""Single-stream decode tokens/s: radixlm's Engine against HF transformers `generate`.
+
+Same model (the embedded default, fp32), same prompt, greedy, fixed output length, both
+measured in this run. Prints one JSON line per system and one with the ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+
+
+def best_of(runs: int, fn) -> float:
+    times = []
+    for _ in range(runs):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--prompt", default="The capital of France is")
+    args = parser.parse_args()
+
+    from transformers import AutoModelForCausalLM
+
+    from radixlm.srt import Engine
+
+    engine = Engine(max_total_tokens=4096)
+    ids = engine.tokenizer.encode(args.prompt, add_special_tokens=False)
+    hf = AutoModelForCausalLM.from_pretrained(_local_dir(), dtype=torch.float32).eval()
+
+    n = args.new_tokens
+    params = {"temperature": 0, "max_new_tokens": n, "ignore_eos": True}
+    # Prefill is a small part at this prompt length; subtract neither, as users see both.
+    engine.generate(input_ids=ids, sampling_params=params)  # warm-up
+    engine.flush_cache()
+    ours = best_of(args.runs, lambda: (engine.generate(input_ids=ids, sampling_params=params), engine.flush_cache()))
+
+    prompt = torch.tensor([ids])
+    with torch.inference_mode():
+        gen = lambda: hf.generate(prompt, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
+        gen()  # warm-up
+        theirs = best_of(args.runs, gen)
+
+    common = {"prompt_tokens": len(ids), "new_tokens": n, "threads": torch.get_num_threads()}
+    print(json.dumps({"bench": "engine_decode", "system": "hf_transformers_generate", "tok_per_s": round(n / theirs, 2), **common}))
+    print(json.dumps({"bench": "engine_decode", "system": "radixlm_engine", "tok_per_s": round(n / ours, 2), **common}))
+    print(json.dumps({"bench": "engine_decode", "baseline": "hf_transformers_generate",
+                      "ratio": round(theirs / ours, 3), **common}))
+
+
+def _local_dir() -> str:
+    from radixlm.srt.model_loader import load_model
+
+    return load_model().local_dir
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,71 @@
+"""Turns a list of requests into the ForwardBatch tensors the model runner consumes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from radixlm.srt.forward_batch import ForwardBatch, ForwardMode
+from radixlm.srt.request import Req
+
+
+@dataclass
+class ExtendPlan:
+    """One request's part of an extend batch: tokens [start, start + extend_len) of fill_ids."""
+
+    req: Req
+    start: int
+    extend_len: int
+    slots: list[int]  # fresh KV slots for the new tokens
+    first_logit_pos: int  # absolute position of the first row whose logits are kept
+    logit_count: int  # rows of logits kept for this request (input logprobs and/or next token)
+
+
+def build_extend_batch(plans: list[ExtendPlan], device: torch.device) -> ForwardBatch:
+    input_ids: list[int] = []
+    positions: list[int] = []
+    out_cache_loc: list[int] = []
+    logit_rows: list[int] = []
+    for plan in plans:
+        row0 = len(input_ids)
+        fill = plan.req.fill_ids
+        input_ids.extend(fill[plan.start:plan.start + plan.extend_len])
+        positions.extend(range(plan.start, plan.start + plan.extend_len))
+        out_cache_loc.extend(plan.slots)
+        first = row0 + plan.first_logit_pos - plan.start
+        logit_rows.extend(range(first, first + plan.logit_count))
+    seq_lens = [p.start + p.extend_len for p in plans]
+    return ForwardBatch(
+        mode=ForwardMode.EXTEND,
+        input_ids=_tensor(input_ids, device),
+        positions=_tensor(positions, device),
+        out_cache_loc=_tensor(out_cache_loc, device),
+        req_pool_indices=_tensor([p.req.req_pool_idx for p in plans], device),
+        seq_lens=_tensor(seq_lens, device),
+        seq_lens_cpu=seq_lens,
+        prefix_lens_cpu=[p.start for p in plans],
+        extend_lens_cpu=[p.extend_len for p in plans],
+        logit_rows=_tensor(logit_rows, device),
+    )
+
+
+def build_decode_batch(reqs: list[Req], slots: list[int], device: torch.device) -> ForwardBatch:
+    """Each request feeds its last output token, whose KV goes to `slots[i]`."""
+    seq_lens = [r.kv_len + 1 for r in reqs]
+    return ForwardBatch(
+        mode=ForwardMode.DECODE,
+        input_ids=_tensor([r.output_ids[-1] for r in reqs], device),
+        positions=_tensor([r.kv_len for r in reqs], device),
+        out_cache_loc=_tensor(slots, device),
+        req_pool_indices=_tensor([r.req_pool_idx for r in reqs], device),
+        seq_lens=_tensor(seq_lens, device),
+        seq_lens_cpu=seq_lens,
+        prefix_lens_cpu=[r.kv_len for r in reqs],
+        extend_lens_cpu=[1] * len(reqs),
+        logit_rows=_tensor(range(len(reqs)), device),
+    )
+
+
+def _tensor(values, device: torch.device) -> torch.Tensor:
+    return torch.tensor(list(values), dtype=torch.int64, device=device)

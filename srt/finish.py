@@ -1,0 +1,54 @@
+"""When a request stops, and how its text is trimmed at a stop string."""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import regex
+
+from radixlm.srt.request import FinishReason, Req
+
+# Extra tokens decoded beyond a stop string's length, so a string split across tokens is seen.
+_STOP_WINDOW_SLACK = 4
+
+
+def check_finished(req: Req, eos_ids: Sequence[int], context_len: int, tokenizer: Any) -> FinishReason | None:
+    """The reason `req` stops after its newest token, or None to go on."""
+    sp = req.sampling_params
+    last = req.output_ids[-1]
+    num_out = len(req.output_ids)
+    if num_out >= sp.min_new_tokens:
+        if not sp.ignore_eos and last in eos_ids:
+            return FinishReason("stop", matched=last)
+        if last in sp.stop_token_ids:
+            return FinishReason("stop", matched=last)
+        if sp.stop:
+            window = max(len(s) for s in sp.stop) + _STOP_WINDOW_SLACK
+            tail = tokenizer.decode(req.output_ids[-window:], skip_special_tokens=sp.skip_special_tokens)
+            for stop in sp.stop:
+                if stop in tail:
+                    return FinishReason("stop", matched=stop)
+        if sp.stop_regex:
+            text = tokenizer.decode(req.output_ids, skip_special_tokens=sp.skip_special_tokens)
+            for pattern in sp.stop_regex:
+                found = regex.search(pattern, text)
+                if found:
+                    return FinishReason("stop", matched=found.group(0))
+    if num_out >= sp.max_new_tokens:
+        return FinishReason("length")
+    if req.seq_len >= context_len:
+        return FinishReason("length", message="reached the context length")
+    return None
+
+
+def output_text(req: Req, tokenizer: Any) -> str:
+    """The decoded output, cut before the stop string that ended it (unless no_stop_trim)."""
+    sp = req.sampling_params
+    text = tokenizer.decode(req.output_ids, skip_special_tokens=sp.skip_special_tokens)
+    reason = req.finish_reason
+    if reason is not None and isinstance(reason.matched, str) and not sp.no_stop_trim:
+        cut = text.find(reason.matched)
+        if cut >= 0:
+            text = text[:cut]
+    return text
+

@@ -1,0 +1,41 @@
+"""What one model forward needs to know about its batch, prepared by the model runner."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import torch
+
+
+class ForwardMode(enum.Enum):
+    EXTEND = "extend"  # prefill of new tokens after an (optional) cached prefix
+    DECODE = "decode"  # one new token per request
+
+
+@dataclass
+class ForwardBatch:
+    """Tensors for one forward; the `*_cpu` lists mirror them on the host for Python loops.
+
+    Token-level tensors have one row per new token (T rows); request-level ones have B rows.
+    `seq_lens` count every token of a request after this step (prefix + new).
+    """
+
+    mode: ForwardMode
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    out_cache_loc: torch.Tensor  # [T] KV slots where the new tokens' K/V go
+    req_pool_indices: torch.Tensor  # [B] rows of the req-to-token table
+    seq_lens: torch.Tensor  # [B]
+    seq_lens_cpu: list[int]
+    prefix_lens_cpu: list[int]  # cached tokens before this step's new ones
+    extend_lens_cpu: list[int]  # new tokens per request (all 1 for decode)
+    logit_rows: torch.Tensor  # rows of the T hidden states that need logits
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.seq_lens_cpu)
+
+    @property
+    def is_decode(self) -> bool:
+        return self.mode is ForwardMode.DECODE

@@ -1,0 +1,107 @@
+"""Paged KV memory: a per-request token-slot table, a token-to-KV pool and its page allocator.
+
+A *slot* is the index of one token's K/V in the pool. Slots come in pages of `page_size`
+consecutive slots (page p owns slots [p * page_size, (p + 1) * page_size)); a request's tokens
+fill its pages in order, so a page is owned by exactly one request or one radix-tree node.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class ReqToTokenPool:
+    """Row r maps request r's token positions to KV slots: `table[r, pos] = slot`."""
+
+    def __init__(self, max_reqs: int, max_context_len: int, device: str | torch.device = "cpu"):
+        self.table = torch.zeros((max_reqs, max_context_len), dtype=torch.int64, device=device)
+        self._free_rows = list(range(max_reqs - 1, -1, -1))
+
+    @property
+    def available_size(self) -> int:
+        return len(self._free_rows)
+
+    def alloc(self) -> int | None:
+        return self._free_rows.pop() if self._free_rows else None
+
+    def free(self, row: int) -> None:
+        self._free_rows.append(row)
+
+
+class PageAllocator:
+    """Hands out KV slots a page at a time. Page 0 is reserved as a padding target.
+
+    Invariant: every page is in exactly one of {free list, some owner's slot list}.
+    """
+
+    def __init__(self, capacity_tokens: int, page_size: int = 1):
+        if page_size < 1:
+            raise ValueError("page_size must be >= 1")
+        self.page_size = page_size
+        self.num_pages = capacity_tokens // page_size + 1  # +1: page 0 is the padding page
+        self._free_pages = list(range(self.num_pages - 1, 0, -1))
+
+    @property
+    def capacity(self) -> int:
+        """Usable token slots (the padding page excluded)."""
+        return (self.num_pages - 1) * self.page_size
+
+    @property
+    def available_size(self) -> int:
+        return len(self._free_pages) * self.page_size
+
+    def slots_needed(self, seq_len: int, new_len: int) -> int:
+        """Fresh slots that `alloc(seq_len, new_len, ...)` will take (whole pages)."""
+        room_in_last_page = (-seq_len) % self.page_size
+        return -(-max(0, new_len - room_in_last_page) // self.page_size) * self.page_size
+
+    def alloc(self, seq_len: int, new_len: int, last_slot: int | None) -> list[int] | None:
+        """Slots for tokens [seq_len, seq_len + new_len) of a request whose last slot is `last_slot`.
+
+        The rest of the request's partly filled last page is used first. Returns None (and
+        takes nothing) when not enough pages are free.
+        """
+        ps = self.page_size
+        room = (-seq_len) % ps
+        if room and last_slot is None:
+            raise ValueError("a partly filled last page needs last_slot")
+        num_pages = -(-max(0, new_len - room) // ps)
+        if num_pages > len(self._free_pages):
+            return None
+        slots = list(range(last_slot + 1, last_slot + 1 + min(room, new_len))) if room else []
+        for _ in range(num_pages):
+            page = self._free_pages.pop()
+            slots.extend(range(page * ps, (page + 1) * ps))
+        return slots[:new_len]
+
+    def free(self, slots: list[int]) -> None:
+        """Frees the pages holding `slots` (a caller frees a page once, with any of its slots)."""
+        if not slots:
+            return
+        ps = self.page_size
+        if ps == 1:
+            self._free_pages.extend(slots)
+            return
+        self._free_pages.extend(dict.fromkeys(s // ps for s in slots))
+
+    def reset(self) -> None:
+        self._free_pages = list(range(self.num_pages - 1, 0, -1))
+
+
+class KVPool:
+    """Per-layer K and V buffers of shape [num_slots, num_kv_heads, head_dim]."""
+
+    def __init__(self, num_slots: int, num_layers: int, num_kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, device: str | torch.device):
+        shape = (num_slots, num_kv_heads, head_dim)
+        self.k_buffers = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v_buffers = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+
+    def store(self, layer_id: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        # index_copy_ is much faster than advanced-index assignment on CPU.
+        self.k_buffers[layer_id].index_copy_(0, slots, k.to(self.k_buffers[layer_id].dtype))
+        self.v_buffers[layer_id].index_copy_(0, slots, v.to(self.v_buffers[layer_id].dtype))
+
+    @staticmethod
+    def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+        return 2 * num_layers * num_kv_heads * head_dim * torch.finfo(dtype).bits // 8

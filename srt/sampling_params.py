@@ -1,0 +1,117 @@
+"""Sampling parameters: one validated, frozen type shared by the Engine, the server and the wire."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+# Fields that the structured-generation work will bring; until then they are refused by name.
+CONSTRAINT_FIELDS = ("regex", "json_schema", "ebnf")
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_new_tokens: int = 128
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1: whole vocabulary
+    min_p: float = 0.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_new_tokens: int = 0
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    stop_regex: tuple[str, ...] = ()
+    ignore_eos: bool = False
+    n: int = 1
+    seed: int | None = None
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    no_stop_trim: bool = False
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+    @classmethod
+    def from_dict(cls, params: dict[str, Any] | None, vocab_size: int | None = None) -> "SamplingParams":
+        """Validates a user's dict; every error is a ValueError naming the field."""
+        if params is not None and not isinstance(params, dict):
+            raise ValueError("sampling_params: must be an object")
+        params = dict(params or {})
+        for name in CONSTRAINT_FIELDS:
+            if params.get(name) is not None:
+                raise ValueError(f"sampling_params.{name}: constrained decoding is not supported yet")
+            params.pop(name, None)
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(params) - known)
+        if unknown:
+            raise ValueError(f"sampling_params: unknown field(s) {', '.join(unknown)}")
+        values: dict[str, Any] = {}
+        for f in dataclasses.fields(cls):
+            if f.name in params and params[f.name] is not None:
+                values[f.name] = _coerce(f.name, params[f.name])
+        sp = cls(**values)
+        sp.validate(vocab_size)
+        return sp
+
+    def validate(self, vocab_size: int | None = None) -> None:
+        _check(self.max_new_tokens >= 0, "max_new_tokens", "must be >= 0")
+        _check(self.temperature >= 0.0, "temperature", "must be >= 0")
+        _check(0.0 < self.top_p <= 1.0, "top_p", "must be in (0, 1]")
+        _check(self.top_k == -1 or self.top_k >= 1, "top_k", "must be -1 (off) or >= 1")
+        _check(0.0 <= self.min_p <= 1.0, "min_p", "must be in [0, 1]")
+        _check(-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", "must be in [-2, 2]")
+        _check(-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", "must be in [-2, 2]")
+        _check(0.0 < self.repetition_penalty <= 2.0, "repetition_penalty", "must be in (0, 2]")
+        _check(self.min_new_tokens >= 0, "min_new_tokens", "must be >= 0")
+        _check(self.n >= 1, "n", "must be >= 1")
+        if vocab_size is not None:
+            bad = [t for t in self.stop_token_ids if not 0 <= t < vocab_size]
+            _check(not bad, "stop_token_ids", f"ids {bad[:3]} are outside the vocabulary [0, {vocab_size})")
+        for pattern in self.stop_regex:
+            import regex
+
+            try:
+                regex.compile(pattern)
+            except regex.error as e:
+                raise ValueError(f"sampling_params.stop_regex: invalid pattern {pattern!r}: {e}") from None
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+_INT_FIELDS = {"max_new_tokens", "top_k", "min_new_tokens", "n", "seed"}
+_FLOAT_FIELDS = {"temperature", "top_p", "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty"}
+_BOOL_FIELDS = {"ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim"}
+
+
+def _coerce(name: str, value: Any) -> Any:
+    if name in _INT_FIELDS:
+        _check(isinstance(value, int) and not isinstance(value, bool), name, f"must be an integer, got {value!r}")
+        return value
+    if name in _FLOAT_FIELDS:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and value == value
+        _check(ok, name, f"must be a number, got {value!r}")
+        return float(value)
+    if name in _BOOL_FIELDS:
+        _check(isinstance(value, bool), name, f"must be a boolean, got {value!r}")
+        return value
+    if name in ("stop", "stop_regex"):
+        items = [value] if isinstance(value, str) else value
+        ok = isinstance(items, (list, tuple)) and all(isinstance(s, str) and s for s in items)
+        _check(ok, name, "must be a non-empty string or a list of them")
+        return tuple(items)
+    if name == "stop_token_ids":
+        items = [value] if isinstance(value, int) else value
+        ok = isinstance(items, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in items)
+        _check(ok, name, "must be a list of integers")
+        return tuple(items)
+    return value
+
+
+def _check(ok: bool, name: str, message: str) -> None:
+    if not ok:
+        raise ValueError(f"sampling_params.{name}: {message}")

@@ -1,0 +1,289 @@
+"""The scheduler: admits requests onto the radix cache and KV pool, and runs extend/decode steps.
+
+Each `step()` runs at most one forward: an extend batch when waiting requests fit (prefill
+has priority), otherwise one decode step for every running request. Requests join and leave
+the running batch between steps (continuous batching).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from typing import Any
+
+import torch
+
+from radixlm.radix import RadixCache
+from radixlm.srt.batch_builder import ExtendPlan, build_decode_batch, build_extend_batch
+from radixlm.srt.finish import check_finished
+from radixlm.srt.logprobs import record_input_logprobs, record_output_logprob
+from radixlm.srt.mem_pool import PageAllocator, ReqToTokenPool
+from radixlm.srt.model_runner import ModelRunner, kv_slots_for
+from radixlm.srt.request import FinishReason, Req
+from radixlm.srt.sampler import apply_penalties, sample
+from radixlm.srt.server_args import ServerArgs
+
+logger = logging.getLogger(__name__)
+
+
+class Scheduler:
+    def __init__(self, loaded, args: ServerArgs):
+        self.args = args
+        self.config = loaded.config
+        self.tokenizer = loaded.tokenizer
+        self.context_len = args.context_length or self.config.context_len
+        self.eos_ids = self._eos_ids(loaded)
+        device = torch.device(args.resolved_device())
+        self.device = device
+        self.allocator = PageAllocator(kv_slots_for(self.config, args), args.page_size)
+        self.req_pool = ReqToTokenPool(args.max_running_requests, self.context_len + 1, device)
+        self.runner = ModelRunner(loaded, args, self.req_pool.table, self.allocator.num_pages * args.page_size)
+        self.tree = RadixCache(self.allocator.capacity, self.allocator.free, page_size=args.page_size,
+                               disable=args.disable_radix_cache)
+        self.waiting: deque[Req] = deque()
+        self.running: list[Req] = []
+        self.chunked: Req | None = None  # a request whose prompt is being prefilled in chunks
+
+    def _eos_ids(self, loaded) -> tuple[int, ...]:
+        ids = set(self.config.eos_token_ids)
+        tok_eos = getattr(self.tokenizer, "eos_token_id", None)
+        if tok_eos is not None:
+            ids.add(tok_eos)
+        return tuple(sorted(ids))
+
+    # ---- requests in and out -------------------------------------------------------------
+
+    def add_request(self, req: Req) -> None:
+        self.waiting.append(req)
+
+    def abort(self, rid: str) -> Req | None:
+        """Ends a request now; its KV is released before the next step runs."""
+        for req in list(self.waiting):
+            if req.rid == rid:
+                self.waiting.remove(req)
+                req.finish_reason = FinishReason("abort")
+                return req
+        for req in self.running + ([self.chunked] if self.chunked else []):
+            if req.rid == rid and not req.finished:
+                req.finish_reason = FinishReason("abort")
+                self._release(req)
+                return req
+        return None
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running or self.chunked)
+
+    @torch.inference_mode()
+    def step(self) -> list[Req]:
+        """Runs one forward; returns the requests that produced a token or finished in it."""
+        self.running = [r for r in self.running if not r.finished]
+        plans = self._plan_extend()
+        if plans:
+            return self._run_extend(plans)
+        if self.running:
+            return self._run_decode()
+        return []
+
+    # ---- extend ----------------------------------------------------------------------------
+
+    def _plan_extend(self) -> list[ExtendPlan]:
+        budget = min(self.args.max_prefill_tokens, self.args.chunked_prefill_size)
+        plans: list[ExtendPlan] = []
+        chunked, self.chunked = self.chunked, None
+        for req in ([chunked] if chunked else []) + self._ordered_waiting():
+            newly_admitted = req is not chunked
+            if budget <= 0 or (newly_admitted and len(self.running) + len(plans) >= self.args.max_running_requests):
+                break
+            if newly_admitted and not self._admit(req):
+                break
+            extend_len = min(req.seq_len - req.kv_len, budget)
+            # Leave a page per running request so admission does not starve the decode batch.
+            reserve = len(self.running) * self.args.page_size if newly_admitted else 0
+            slots = self._alloc(req, extend_len, reserve)
+            if slots is None:
+                if newly_admitted:
+                    self._release(req)  # still in `waiting`; it retries when memory frees up
+                else:
+                    self.chunked = req
+                break
+            if newly_admitted:
+                self.waiting.remove(req)
+            plans.append(self._extend_plan(req, extend_len, slots))
+            budget -= extend_len
+        return plans
+
+    def _ordered_waiting(self) -> list[Req]:
+        if self.args.schedule_policy == "fcfs" or self.tree.disable:
+            return list(self.waiting)
+        # lpm: longest cached prefix first, so shared prefixes are computed once and reused.
+        return sorted(self.waiting, key=lambda r: -self.tree.match_prefix(
+            r.fill_ids[:-1], namespace=r.namespace).matched_len)
+
+    def _admit(self, req: Req) -> bool:
+        """Takes a table row and locks the longest cached prefix."""
+        row = self.req_pool.alloc()
+        if row is None:
+            return False
+        req.req_pool_idx = row
+        key_len = req.seq_len - 1  # at least one token is computed, to get its logits
+        if req.wants_input_logprobs and not req.output_ids:
+            key_len = min(key_len, max(0, req.logprob.logprob_start_len - 1))
+        match = self.tree.match_prefix(req.fill_ids[:key_len], namespace=req.namespace)
+        self.tree.lock(match.node)
+        req.last_node = match.node
+        req.kv_len = req.cached_len = match.matched_len
+        if not req.output_ids:
+            req.cached_tokens = match.matched_len
+        if match.matched_len:
+            self.req_pool.table[row, :match.matched_len] = torch.tensor(match.slot_indices, dtype=torch.int64)
+        return True
+
+    def _alloc(self, req: Req, new_len: int, reserve: int = 0) -> list[int] | None:
+        """KV slots for `new_len` more tokens of `req` (keeping `reserve` free), evicting from the
+        tree when short. None, taking nothing, when they do not fit."""
+        needed = self.allocator.slots_needed(req.kv_len, new_len) + reserve
+        if needed > self.allocator.available_size:
+            self.tree.evict(needed - self.allocator.available_size)
+            if needed > self.allocator.available_size:
+                return None
+        last = int(self.req_pool.table[req.req_pool_idx, req.kv_len - 1]) if req.kv_len else None
+        slots = self.allocator.alloc(req.kv_len, new_len, last)
+        if slots is not None:
+            self.req_pool.table[req.req_pool_idx, req.kv_len:req.kv_len + new_len] = torch.tensor(slots)
+        return slots
+
+    def _extend_plan(self, req: Req, extend_len: int, slots: list[int]) -> ExtendPlan:
+        """Keeps logits for prompt-logprob rows (first prefill only) and, when the prompt
+        completes, the last row (it predicts the next token)."""
+        end = req.kv_len + extend_len
+        first = end
+        if req.wants_input_logprobs and not req.output_ids:
+            first = max(req.kv_len, req.logprob.logprob_start_len - 1)
+        if end == req.seq_len:
+            first = min(first, end - 1)
+        return ExtendPlan(req, req.kv_len, extend_len, slots, first, max(0, end - first))
+
+    def _run_extend(self, plans: list[ExtendPlan]) -> list[Req]:
+        logits = self.runner.forward(build_extend_batch(plans, self.device))
+        done_prefill: list[tuple[Req, torch.Tensor]] = []
+        offset = 0
+        for plan in plans:
+            req = plan.req
+            rows = logits[offset:offset + plan.logit_count]
+            offset += plan.logit_count
+            req.kv_len = plan.start + plan.extend_len
+            if req.wants_input_logprobs and not req.output_ids:
+                record_input_logprobs(req, rows, plan.first_logit_pos)
+            if req.kv_len < req.seq_len:
+                self._cache_unfinished(req)
+                self.chunked = req
+            elif req.sampling_params.max_new_tokens == 0:
+                req.finish_reason = FinishReason("length")
+                self._release(req)
+            else:
+                done_prefill.append((req, rows[-1]))
+        out = [p.req for p in plans]
+        if done_prefill:
+            reqs = [r for r, _ in done_prefill]
+            self._sample_and_append(reqs, torch.stack([row for _, row in done_prefill]))
+            self.running.extend(r for r in reqs if not r.finished)
+        return out
+
+    # ---- decode ----------------------------------------------------------------------------
+
+    def _run_decode(self) -> list[Req]:
+        reqs = list(self.running)
+        # Make room for one token each: evict from the tree, then retract the newest requests.
+        while True:
+            needed = sum(self.allocator.slots_needed(r.kv_len, 1) for r in reqs)
+            if needed > self.allocator.available_size:
+                self.tree.evict(needed - self.allocator.available_size)
+            if needed <= self.allocator.available_size or len(reqs) == 1:
+                break
+            self._retract(reqs.pop())
+        slots: list[int] = []
+        for req in reqs:
+            got = self._alloc(req, 1)
+            if got is None:
+                raise RuntimeError("the KV pool cannot hold one request; raise --max-total-tokens")
+            slots.extend(got)
+        logits = self.runner.forward(build_decode_batch(reqs, slots, self.device))
+        for req in reqs:
+            req.kv_len += 1
+        self._sample_and_append(reqs, logits)
+        return reqs
+
+    def _retract(self, req: Req) -> None:
+        """Sends a running request back to waiting, freeing its KV; it resumes later by
+        prefilling its prompt and output so far (greedy output is unchanged)."""
+        self.running.remove(req)
+        self._release(req, keep_waiting=True)
+        logger.info("retracted %s to free KV (%d slots free)", req.rid, self.allocator.available_size)
+
+    # ---- sampling and finishing --------------------------------------------------------------
+
+    def _sample_and_append(self, reqs: list[Req], logits: torch.Tensor) -> None:
+        if any(r.logprob.return_logprob for r in reqs):
+            logprobs = torch.log_softmax(logits, dim=-1)
+        apply_penalties(logits, reqs, self.eos_ids)
+        next_ids = sample(logits, reqs).tolist()
+        for i, (req, token) in enumerate(zip(reqs, next_ids)):
+            req.output_ids.append(token)
+            if req.logprob.return_logprob:
+                record_output_logprob(req, logprobs[i], token)
+            reason = check_finished(req, self.eos_ids, self.context_len, self.tokenizer)
+            if reason is not None:
+                req.finish_reason = reason
+                self._release(req)
+
+    # ---- KV ownership --------------------------------------------------------------------------
+
+    def _cache_unfinished(self, req: Req) -> None:
+        """Inserts a partly prefilled prompt into the tree so its finished chunks are shared."""
+        row = req.req_pool_idx
+        key = req.fill_ids[:req.kv_len]
+        slots = self.req_pool.table[row, :req.kv_len].tolist()
+        already = self.tree.insert(key, slots, namespace=req.namespace)
+        self.allocator.free(slots[req.cached_len:already])
+        match = self.tree.match_prefix(key, namespace=req.namespace)
+        self.tree.unlock(req.last_node)
+        self.tree.lock(match.node)
+        req.last_node = match.node
+        req.cached_len = match.matched_len
+        self.req_pool.table[row, :match.matched_len] = torch.tensor(match.slot_indices, dtype=torch.int64)
+
+    def _release(self, req: Req, keep_waiting: bool = False) -> None:
+        """Gives a request's KV back: its computed sequence goes into the tree (unless aborted or
+        retracted), its own slots are freed, the lock and table row are released."""
+        if req.req_pool_idx is None:
+            return
+        row = req.req_pool_idx
+        slots = self.req_pool.table[row, :req.kv_len].tolist()
+        adopted = req.cached_len
+        if not keep_waiting and req.finish_reason is not None and req.finish_reason.type != "abort":
+            already = self.tree.insert(req.fill_ids[:req.kv_len], slots, namespace=req.namespace)
+            self.allocator.free(slots[req.cached_len:already])
+            adopted = max(already, self._aligned(req.kv_len) if not self.tree.disable else 0)
+        self.allocator.free(slots[adopted:])
+        self.tree.unlock(req.last_node)
+        self.req_pool.free(row)
+        req.req_pool_idx = None
+        req.last_node = None
+        req.kv_len = req.cached_len = 0
+        if keep_waiting:
+            self.waiting.appendleft(req)
+
+    def _aligned(self, length: int) -> int:
+        return length - length % self.args.page_size
+
+    # ---- introspection ---------------------------------------------------------------------------
+
+    def kv_stats(self) -> dict[str, Any]:
+        """KV accounting; `leaked` must be 0 when no request holds memory."""
+        free = self.allocator.available_size
+        evictable, protected = self.tree.evictable_size, self.tree.protected_size
+        held = sum(r.kv_len - r.cached_len for r in self.running if r.req_pool_idx is not None)
+        capacity = self.allocator.capacity
+        return {"capacity": capacity, "free": free, "evictable": evictable, "protected": protected,
+                "held_by_requests": held, "leaked": capacity - free - evictable - protected - held}

@@ -1,0 +1,66 @@
+"""Runtime settings. Flag names follow SGLang's where one exists."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class ServerArgs:
+    model_path: str | None = None  # None: the embedded default model
+    tokenizer_path: str | None = None
+    load_format: str = "auto"  # auto | dummy
+    dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on GPU
+    device: str = "auto"  # auto: cuda when available, else cpu
+    context_length: int | None = None
+    max_total_tokens: int | None = None  # KV slots; None: sized from memory
+    max_running_requests: int = 64
+    max_prefill_tokens: int = 8192
+    chunked_prefill_size: int = 2048
+    page_size: int = 1
+    schedule_policy: str = "lpm"  # lpm | fcfs
+    disable_radix_cache: bool = False
+    attention_backend: str = "auto"  # auto | torch_native | flashinfer
+    random_seed: int = 0
+    host: str = "127.0.0.1"
+    port: int = 30000
+    api_key: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.page_size < 1:
+            raise ValueError("page_size: must be >= 1")
+        if self.schedule_policy not in ("lpm", "fcfs"):
+            raise ValueError("schedule_policy: must be 'lpm' or 'fcfs'")
+        if self.max_running_requests < 1:
+            raise ValueError("max_running_requests: must be >= 1")
+        if self.load_format not in ("auto", "dummy", "gguf", "safetensors"):
+            raise ValueError("load_format: must be auto, dummy, gguf or safetensors")
+        if self.attention_backend not in ("auto", "torch_native", "flashinfer"):
+            raise ValueError("attention_backend: must be auto, torch_native or flashinfer")
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> "ServerArgs":
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise ValueError(f"unknown server argument(s): {', '.join(unknown)}")
+        return cls(**kwargs)
+
+    def resolved_device(self) -> str:
+        if self.device != "auto":
+            return self.device
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+
+    def resolved_dtype(self) -> "Any":
+        import torch
+
+        if self.dtype == "auto":
+            return torch.float32 if self.resolved_device() == "cpu" else torch.bfloat16
+        try:
+            return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[self.dtype]
+        except KeyError:
+            raise ValueError("dtype: must be auto, float32, bfloat16 or float16") from None

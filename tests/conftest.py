@@ -1,0 +1,40 @@
+"""Shared fixtures: one Engine and one HF reference model on the embedded default model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip_gpu)
+
+
+@pytest.fixture(scope="session")
+def default_model():
+    from radixlm.srt.model_loader import load_model
+
+    return load_model()
+
+
+@pytest.fixture(scope="session")
+def engine():
+    from radixlm.srt import Engine
+
+    eng = Engine(max_total_tokens=16384)
+    yield eng
+    eng.shutdown()
+
+
+@pytest.fixture(scope="session")
+def hf_model(default_model):
+    """Hugging Face transformers' own Llama on the same weights: the reference implementation."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(default_model.local_dir, dtype=torch.float32)
+    return model.eval()

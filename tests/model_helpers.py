@@ -1,0 +1,47 @@
+"""Runs raw forwards through the engine's runner, for comparing logits against the reference."""
+
+from __future__ import annotations
+
+import torch
+
+from radixlm.srt.batch_builder import ExtendPlan, build_extend_batch
+from radixlm.srt.request import Req
+from radixlm.srt.sampling_params import SamplingParams
+
+
+def extend_logits(engine, chunks: list[list[list[int]]]) -> list[torch.Tensor]:
+    """For each request (a list of token-id chunks), extends chunk by chunk -- later chunks
+    attend over the KV of earlier ones as a cached prefix -- and returns the logits of every
+    position, [total_len, vocab]. All requests run batched, one forward per chunk index."""
+    sched = engine.scheduler
+    reqs, rows = [], []
+    for i, req_chunks in enumerate(chunks):
+        req = Req(rid=f"probe-{i}", origin_input_ids=[t for c in req_chunks for t in c],
+                  sampling_params=SamplingParams())
+        req.req_pool_idx = sched.req_pool.alloc()
+        reqs.append(req)
+        rows.append([])
+    owned: list[int] = []
+    try:
+        for step in range(max(len(c) for c in chunks)):
+            plans = []
+            for req, req_chunks in zip(reqs, chunks):
+                if step >= len(req_chunks):
+                    continue
+                n = len(req_chunks[step])
+                last = int(sched.req_pool.table[req.req_pool_idx, req.kv_len - 1]) if req.kv_len else None
+                slots = sched.allocator.alloc(req.kv_len, n, last)
+                owned.extend(slots)
+                sched.req_pool.table[req.req_pool_idx, req.kv_len:req.kv_len + n] = torch.tensor(slots)
+                plans.append(ExtendPlan(req, req.kv_len, n, slots, req.kv_len, n))
+            logits = sched.runner.forward(build_extend_batch(plans, sched.device))
+            offset = 0
+            for plan in plans:
+                rows[reqs.index(plan.req)].append(logits[offset:offset + plan.extend_len])
+                offset += plan.extend_len
+                plan.req.kv_len += plan.extend_len
+    finally:
+        sched.allocator.free(owned)
+        for req in reqs:
+            sched.req_pool.free(req.req_pool_idx)
+    return [torch.cat(r) for r in rows]
