@@ -9,6 +9,7 @@ import uuid
 from typing import Any
 
 from radixlm.srt.finish import output_text
+from radixlm.srt.input_validation import prompt_token_ids
 from radixlm.srt.request import LogprobOptions, Req
 from radixlm.srt.sampler import make_generator
 from radixlm.srt.sampling_params import SamplingParams
@@ -68,32 +69,18 @@ class Engine:
         return outputs if batched or len(outputs) > 1 else outputs[0]
 
     def _tokenize(self, prompt, input_ids) -> tuple[bool, list[list[int]]]:
-        if (prompt is None) == (input_ids is None):
+        if prompt is not None and input_ids is not None:
             raise ValueError("prompt: give exactly one of prompt or input_ids")
+        batched = isinstance(prompt, list) if prompt is not None else \
+            isinstance(input_ids, list) and bool(input_ids) and isinstance(input_ids[0], list)
+        items = (prompt if prompt is not None else input_ids) if batched else [prompt if prompt is not None else input_ids]
+        if not items:
+            raise ValueError("prompt: must be a string or a non-empty list of strings")
+        check = dict(vocab_size=self.model_config.vocab_size, context_len=self.scheduler.context_len,
+                     text_field="prompt")
         if prompt is not None:
-            batched = isinstance(prompt, list)
-            texts = prompt if batched else [prompt]
-            if not texts or not all(isinstance(t, str) for t in texts):
-                raise ValueError("prompt: must be a string or a non-empty list of strings")
-            ids_list = [self.tokenizer.encode(t, add_special_tokens=False) if t else [] for t in texts]
-            field = "prompt"
-        else:
-            batched = bool(input_ids) and isinstance(input_ids[0], list)
-            ids_list = input_ids if batched else [input_ids]
-            field = "input_ids"
-        vocab = self.model_config.vocab_size
-        context_len = self.scheduler.context_len
-        for ids in ids_list:
-            if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
-                raise ValueError(f"{field}: must be a list of token ids")
-            if not ids:
-                raise ValueError(f"{field}: must not be empty")
-            bad = [t for t in ids if not 0 <= t < vocab]
-            if bad:
-                raise ValueError(f"{field}: token ids {bad[:3]} are outside the vocabulary [0, {vocab})")
-            if len(ids) >= context_len:
-                raise ValueError(f"{field}: {len(ids)} tokens do not fit the context length {context_len}")
-        return batched, ids_list
+            return batched, [prompt_token_ids(self.tokenizer, t, None, **check) for t in items]
+        return batched, [prompt_token_ids(self.tokenizer, None, ids, **check) for ids in items]
 
     def _output(self, req: Req, latency: float, with_text: bool) -> dict[str, Any]:
         meta: dict[str, Any] = {
@@ -115,10 +102,7 @@ class Engine:
         return {"text": output_text(req, self.tokenizer), "output_ids": list(req.output_ids), "meta_info": meta}
 
     def flush_cache(self) -> bool:
-        if self.scheduler.has_work:
-            return False
-        self.scheduler.tree.reset()
-        return True
+        return self.scheduler.flush_cache()
 
     def shutdown(self) -> None:
         self.scheduler = None  # frees the model and KV pool

@@ -79,6 +79,7 @@ def load_model(
     *,
     tokenizer_path: str | os.PathLike[str] | None = None,
     device: str | torch.device = "cpu",
+    with_weights: bool = True,
 ) -> LoadedModel:
     """Load config, tokenizer and weights.
 
@@ -90,6 +91,8 @@ def load_model(
     tokenizer_path: a tokenizer directory or GGUF (a vocab-only GGUF works) to use instead of
         the model's own tokenizer.
     device: where the weights are put; dummy weights are generated there directly.
+    with_weights: False reads config and tokenizer only (`weights` is empty), for processes
+        that never run the model.
     """
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
@@ -112,7 +115,9 @@ def load_model(
         logger.info("no tokenizer files in %s and no tokenizer_path; tokenizer is None", local_dir)
         tokenizer = None
 
-    if load_format == "dummy":
+    if not with_weights:
+        weights = {}
+    elif load_format == "dummy":
         weights = random_weights(config, dtype=dtype, device=device)
     else:
         weights = _load_safetensors(local_dir, config, dtype, device)

@@ -37,6 +37,7 @@ class Req:
     sampling_params: SamplingParams
     logprob: LogprobOptions = field(default_factory=LogprobOptions)
     namespace: Any = None  # radix-cache namespace (cache salt, LoRA id)
+    stream: bool = False  # send outputs every step, not only at the end
     generator: torch.Generator | None = None
     output_ids: list[int] = field(default_factory=list)
     finish_reason: FinishReason | None = None

@@ -70,6 +70,24 @@ class Scheduler:
                 return req
         return None
 
+    def abort_all(self, message: str) -> list[Req]:
+        """Ends every request (after an internal error), releasing all their KV."""
+        reqs = list(self.waiting) + self.running + ([self.chunked] if self.chunked else [])
+        self.waiting.clear()
+        self.running, self.chunked = [], None
+        for req in reqs:
+            if not req.finished:
+                req.finish_reason = FinishReason("abort", message=message)
+            self._release(req)
+        return reqs
+
+    def flush_cache(self) -> bool:
+        """Drops the whole radix cache; refused (False) while requests hold parts of it."""
+        if self.has_work:
+            return False
+        self.tree.reset()
+        return True
+
     @property
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self.chunked)
@@ -279,11 +297,24 @@ class Scheduler:
 
     # ---- introspection ---------------------------------------------------------------------------
 
+    def server_info(self) -> dict[str, Any]:
+        return {
+            "num_running_reqs": len(self.running) + (1 if self.chunked else 0),
+            "num_waiting_reqs": len(self.waiting),
+            "kv": self.kv_stats(),
+            "cache": self.tree.stats,
+            "context_len": self.context_len,
+            "max_total_tokens": self.allocator.capacity,
+            "page_size": self.args.page_size,
+        }
+
     def kv_stats(self) -> dict[str, Any]:
         """KV accounting; `leaked` must be 0 when no request holds memory."""
         free = self.allocator.available_size
         evictable, protected = self.tree.evictable_size, self.tree.protected_size
-        held = sum(r.kv_len - r.cached_len for r in self.running if r.req_pool_idx is not None)
+        ps = self.args.page_size
+        holders = self.running + ([self.chunked] if self.chunked else [])
+        held = sum(-(-r.kv_len // ps) * ps - r.cached_len for r in holders if r.req_pool_idx is not None)
         capacity = self.allocator.capacity
         return {"capacity": capacity, "free": free, "evictable": evictable, "protected": protected,
                 "held_by_requests": held, "leaked": capacity - free - evictable - protected - held}

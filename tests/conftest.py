@@ -38,3 +38,13 @@ def hf_model(default_model):
 
     model = AutoModelForCausalLM.from_pretrained(default_model.local_dir, dtype=torch.float32)
     return model.eval()
+
+
+@pytest.fixture(scope="session")
+def server():
+    """A real `radixlm serve` on the default model (no API key), shared by the integration tests."""
+    from server_helpers import ServerProcess
+
+    srv = ServerProcess("--max-total-tokens", "16384")
+    yield srv
+    srv.stop()

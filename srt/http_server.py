@@ -1,0 +1,238 @@
+"""The HTTP front: SGLang's native API (/generate and friends), health, metrics, API keys.
+The OpenAI routes live in openai_api.py."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+from typing import Any, AsyncIterator
+
+import orjson
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from radixlm.srt.tokenizer_manager import GenerateRequest, TokenizerManager, expand_n
+
+logger = logging.getLogger(__name__)
+
+MAX_REQUEST_BYTES = 32 * 2**20
+_OPEN_PATHS = {"/health"}  # reachable without the API key (load balancers probe it)
+_GENERATE_FIELDS = {"text", "input_ids", "sampling_params", "return_logprob", "logprob_start_len",
+                    "top_logprobs_num", "return_text_in_logprobs", "stream", "rid"}
+
+
+class ServerState:
+    """What the handlers share: the tokenizer manager and whether the children are alive."""
+
+    def __init__(self, tm: TokenizerManager, model_path: str, server_args: dict[str, Any]):
+        self.tm = tm
+        self.model_path = model_path
+        self.server_args = server_args
+        self.healthy = True
+        self.unhealthy_reason = ""
+
+
+def error_response(status: int, message: str, param: str | None = None) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": "invalid_request_error" if status < 500 else
+                                   "server_error", "param": param, "code": status}}, status_code=status)
+
+
+def field_of(message: str) -> str | None:
+    """Our ValueErrors start with the field they are about: 'sampling_params.top_p: ...'."""
+    head = message.split(":", 1)[0]
+    return head if head and " " not in head else None
+
+
+def create_app(state: ServerState, api_key: str | None) -> FastAPI:
+    app = FastAPI(title="radixlm", docs_url=None, redoc_url=None)
+    app.state.server = state
+
+    @app.middleware("http")
+    async def guard(request: Request, call_next):
+        length = request.headers.get("content-length")
+        if length is not None and (not length.isdigit() or int(length) > MAX_REQUEST_BYTES):
+            return error_response(413, f"request body over {MAX_REQUEST_BYTES} bytes")
+        if api_key and request.url.path not in _OPEN_PATHS:
+            given = request.headers.get("authorization", "")
+            if not secrets.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
+                return error_response(401, "missing or wrong API key (Authorization: Bearer <key>)")
+        return await call_next(request)
+
+    @app.get("/health")
+    async def health() -> Response:
+        if not state.healthy:
+            return error_response(503, f"unhealthy: {state.unhealthy_reason}")
+        return Response(status_code=200)
+
+    @app.get("/health_generate")
+    async def health_generate() -> Response:
+        if not state.healthy:
+            return error_response(503, f"unhealthy: {state.unhealthy_reason}")
+        try:
+            req = GenerateRequest(input_ids=[0], sampling_params={"max_new_tokens": 1, "temperature": 0})
+            await asyncio.wait_for(state.tm.generate_once(req), timeout=60)
+        except Exception as e:
+            return error_response(503, f"generation failed: {e}")
+        return Response(status_code=200)
+
+    @app.get("/get_model_info")
+    async def get_model_info() -> dict[str, Any]:
+        return {"model_path": state.model_path, "tokenizer_path": state.server_args.get("tokenizer_path"),
+                "is_generation": True, "context_length": state.tm.context_len,
+                "vocab_size": state.tm.model_config.vocab_size}
+
+    @app.get("/get_server_info")
+    async def get_server_info() -> Any:
+        reply = await state.tm.control("server_info")
+        public_args = {k: v for k, v in state.server_args.items() if k != "api_key"}
+        return {**public_args, **reply.data, "num_active_requests_main": state.tm.num_active}
+
+    @app.api_route("/flush_cache", methods=["GET", "POST"])
+    async def flush_cache() -> Response:
+        reply = await state.tm.control("flush_cache")
+        if not reply.ok:
+            return error_response(400, f"cache not flushed: {reply.data.get('message', '')}")
+        return Response("Cache flushed.\n", status_code=200)
+
+    @app.post("/abort_request")
+    async def abort_request(request: Request) -> Response:
+        body = await _json_body(request)
+        if isinstance(body, Response):
+            return body
+        rid = body.get("rid") if isinstance(body, dict) else None
+        if not isinstance(rid, str):
+            return error_response(400, "rid: must be a string", "rid")
+        await state.tm.abort(rid)
+        return Response(status_code=200)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        try:
+            reply = await state.tm.control("server_info", timeout=5)
+            state.tm.metrics.update_from_server_info(reply.data)
+        except asyncio.TimeoutError:
+            pass
+        return Response(state.tm.metrics.render(), media_type="text/plain; version=0.0.4")
+
+    @app.api_route("/generate", methods=["POST", "PUT"])
+    async def generate(request: Request) -> Response:
+        body = await _json_body(request)
+        if isinstance(body, Response):
+            return body
+        try:
+            reqs, batched = _generate_requests(body, state.tm)
+        except ValueError as e:
+            return error_response(400, str(e), field_of(str(e)))
+        if body.get("stream"):
+            return StreamingResponse(_stream_generate(state.tm, reqs, request), media_type="text/event-stream")
+        try:
+            results = await _run_until_done_or_disconnect(state.tm, reqs, request)
+        except ValueError as e:
+            return error_response(400, str(e), field_of(str(e)))
+        if results is None:
+            return Response(status_code=499)
+        return _json(results if batched else results[0])
+
+    return app
+
+
+async def _json_body(request: Request) -> Any:
+    raw = await request.body()
+    try:
+        return orjson.loads(raw)
+    except orjson.JSONDecodeError as e:
+        return error_response(400, f"body: malformed JSON: {e}")
+
+
+def _generate_requests(body: Any, tm: TokenizerManager) -> tuple[list[GenerateRequest], bool]:
+    """SGLang's /generate body -> one GenerateRequest per prompt and sample; all validated."""
+    if not isinstance(body, dict):
+        raise ValueError("body: must be a JSON object")
+    unknown = sorted(set(body) - _GENERATE_FIELDS)
+    if unknown:
+        raise ValueError(f"{unknown[0]}: unknown field")
+    text, input_ids = body.get("text"), body.get("input_ids")
+    batched = isinstance(text, list) or (isinstance(input_ids, list) and bool(input_ids) and isinstance(input_ids[0], list))
+    prompts = (text if text is not None else input_ids) if batched else [text if text is not None else input_ids]
+    if batched and not prompts:
+        raise ValueError("text: a batch must not be empty")
+    params = body.get("sampling_params") or {}
+    params_list = params if isinstance(params, list) else [params] * len(prompts)
+    if len(params_list) != len(prompts) or not all(isinstance(p, dict) for p in params_list):
+        raise ValueError("sampling_params: must be an object, or a list with one object per prompt")
+    rids = body.get("rid")
+    rid_list = rids if isinstance(rids, list) else [rids] * len(prompts)
+    reqs: list[GenerateRequest] = []
+    for prompt, p, rid in zip(prompts, params_list, rid_list):
+        one = GenerateRequest(
+            text=prompt if text is not None else None, input_ids=prompt if text is None else None,
+            sampling_params=p, return_logprob=body.get("return_logprob", False),
+            logprob_start_len=body.get("logprob_start_len", -1) if body.get("logprob_start_len") is not None else -1,
+            top_logprobs_num=body.get("top_logprobs_num", 0) or 0,
+            return_text_in_logprobs=bool(body.get("return_text_in_logprobs", False)),
+            stream=bool(body.get("stream", False)), rid=rid)
+        for sample in expand_n(one):
+            tm.validate(sample)
+            reqs.append(sample)
+    return reqs, batched or len(reqs) > 1
+
+
+async def _run_until_done_or_disconnect(tm: TokenizerManager, reqs: list[GenerateRequest],
+                                        request: Request) -> list[dict[str, Any]] | None:
+    """Runs all requests; if the client disconnects first, aborts them and returns None."""
+    await _share_prompts(tm, reqs)
+    work = asyncio.ensure_future(asyncio.gather(*(tm.generate_once(r) for r in reqs)))
+    while not work.done():
+        done, _ = await asyncio.wait({work}, timeout=0.5)
+        if not done and await request.is_disconnected():
+            work.cancel()  # closing the generators aborts the requests in the scheduler
+            try:
+                await work
+            except (asyncio.CancelledError, Exception):
+                pass
+            return None
+    return work.result()
+
+
+async def _share_prompts(tm: TokenizerManager, reqs: list[GenerateRequest]) -> None:
+    """Several samples of one prompt: prefill it once so the others hit the radix cache."""
+    groups: dict[Any, list[GenerateRequest]] = {}
+    for r in reqs:
+        groups.setdefault(r.text if r.text is not None else tuple(r.input_ids), []).append(r)
+    await asyncio.gather(*(tm.cache_prompt(g[0]) for g in groups.values() if len(g) > 1))
+
+
+async def _stream_generate(tm: TokenizerManager, reqs: list[GenerateRequest], request: Request) -> AsyncIterator[bytes]:
+    """SSE: `data: {...}` per chunk (with "index" when several requests), then `data: [DONE]`."""
+    await _share_prompts(tm, reqs)
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(index: int, req: GenerateRequest) -> None:
+        try:
+            async for chunk in tm.generate(req):
+                await queue.put((index, chunk))
+        except ValueError as e:
+            await queue.put((index, {"error": {"message": str(e)}}))
+        finally:
+            await queue.put((index, None))
+
+    tasks = [asyncio.ensure_future(pump(i, r)) for i, r in enumerate(reqs)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            index, chunk = await queue.get()
+            if chunk is None:
+                remaining -= 1
+                continue
+            if len(reqs) > 1:
+                chunk = {**chunk, "index": index}
+            yield b"data: " + orjson.dumps(chunk) + b"\n\n"
+        yield b"data: [DONE]\n\n"
+    finally:
+        for task in tasks:  # the client left: cancelling closes the generators, which abort
+            task.cancel()
+
+
+def _json(data: Any) -> Response:
+    return Response(orjson.dumps(data), media_type="application/json")

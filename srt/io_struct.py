@@ -1,0 +1,137 @@
+"""Messages between the processes, as frozen dataclasses encoded with msgpack (never pickle).
+
+Paths: tokenizer manager -> scheduler (requests, aborts, control); scheduler -> detokenizer
+(token ids per step; control replies pass through unchanged); detokenizer -> tokenizer manager
+(text). Each message carries only plain values, so msgpack round-trips it exactly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+
+
+@dataclass(frozen=True)
+class TokenizedGenerateReq:
+    rid: str
+    input_ids: list[int]
+    sampling_params: dict[str, Any]  # validated by SamplingParams.from_dict in the main process
+    return_logprob: bool = False
+    logprob_start_len: int = -1
+    top_logprobs_num: int = 0
+    stream: bool = False
+    namespace: str | None = None  # radix-cache namespace (cache salt)
+
+
+@dataclass(frozen=True)
+class AbortReq:
+    rid: str  # "" aborts every request
+
+
+@dataclass(frozen=True)
+class ControlReq:
+    """A request for the scheduler's state: kind is "flush_cache" or "server_info"."""
+
+    kind: str
+    request_id: str
+
+
+@dataclass(frozen=True)
+class ControlReply:
+    request_id: str
+    ok: bool
+    data: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class ReqOutput:
+    """What one request produced since its previous output (token ids and logprobs are deltas)."""
+
+    rid: str
+    new_token_ids: list[int]
+    finish_reason: dict[str, Any] | None
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    # Detokenization settings, repeated so the detokenizer keeps no per-request setup.
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    stop: list[str] = dataclasses.field(default_factory=list)
+    no_stop_trim: bool = False
+    # Logprobs as [logprob, token_id] pairs; top lists as lists of pairs (None where undefined).
+    input_token_logprobs: list[list[Any]] | None = None
+    input_top_logprobs: list[Any] | None = None
+    output_token_logprobs: list[list[Any]] | None = None
+    output_top_logprobs: list[Any] | None = None
+
+
+@dataclass(frozen=True)
+class BatchTokenOut:
+    """Scheduler -> detokenizer, once per step that produced anything to send."""
+
+    outputs: list[ReqOutput]
+
+
+@dataclass(frozen=True)
+class ReqTextOutput:
+    """Detokenizer -> tokenizer manager: the text delta and the ids behind it."""
+
+    rid: str
+    text_delta: str
+    output: ReqOutput
+
+
+@dataclass(frozen=True)
+class BatchTextOut:
+    outputs: list[ReqTextOutput]
+
+
+@dataclass(frozen=True)
+class ReadySignal:
+    """A child process reports that it is up (or failed to start, with the error)."""
+
+    process: str
+    ok: bool
+    error: str = ""
+    info: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
+_MESSAGE_TYPES = {cls.__name__: cls for cls in (
+    TokenizedGenerateReq, AbortReq, ControlReq, ControlReply, ReqOutput, BatchTokenOut,
+    ReqTextOutput, BatchTextOut, ReadySignal)}
+# Fields holding nested messages: (message type, is a list of them).
+_NESTED = {("BatchTokenOut", "outputs"): True, ("BatchTextOut", "outputs"): True,
+           ("ReqTextOutput", "output"): False}
+
+
+def _to_plain(msg: Any) -> Any:
+    if dataclasses.is_dataclass(msg):
+        return [type(msg).__name__] + [_to_plain(getattr(msg, f.name)) for f in dataclasses.fields(msg)]
+    if isinstance(msg, list):
+        return [_to_plain(x) for x in msg]
+    return msg
+
+
+def _from_plain(data: list[Any]) -> Any:
+    name, values = data[0], data[1:]
+    cls = _MESSAGE_TYPES.get(name)
+    if cls is None:
+        raise ValueError(f"unknown message type {name!r}")
+    kwargs = {}
+    for f, value in zip(dataclasses.fields(cls), values):
+        is_list = _NESTED.get((name, f.name))
+        if is_list is not None:
+            value = [_from_plain(v) for v in value] if is_list else _from_plain(value)
+        kwargs[f.name] = value
+    return cls(**kwargs)
+
+
+def encode(msg: Any) -> bytes:
+    return msgpack.packb(_to_plain(msg), use_bin_type=True)
+
+
+def decode(payload: bytes) -> Any:
+    return _from_plain(msgpack.unpackb(payload, raw=False, strict_map_key=False))

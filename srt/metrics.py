@@ -1,0 +1,53 @@
+"""Prometheus metrics for /metrics: request and token counters, latency histograms, and the
+scheduler's gauges (filled from its server info when scraped)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("radixlm_requests", "Finished requests", ["finish_reason"], registry=r)
+        self.prompt_tokens = Counter("radixlm_prompt_tokens", "Prompt tokens of finished requests", registry=r)
+        self.cached_tokens = Counter("radixlm_cached_prompt_tokens", "Prompt tokens served from the radix cache", registry=r)
+        self.generation_tokens = Counter("radixlm_generation_tokens", "Generated tokens", registry=r)
+        self.ttft = Histogram("radixlm_time_to_first_token_seconds", "Time to first token", buckets=_LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("radixlm_inter_token_latency_seconds", "Time between output tokens", buckets=_LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram("radixlm_e2e_request_latency_seconds", "Request latency", buckets=_LATENCY_BUCKETS, registry=r)
+        self.running = Gauge("radixlm_num_running_reqs", "Requests in the decode batch", registry=r)
+        self.waiting = Gauge("radixlm_num_waiting_reqs", "Requests waiting for admission", registry=r)
+        self.kv_usage = Gauge("radixlm_kv_usage", "Fraction of KV slots in use (requests and cache)", registry=r)
+        self.cache_hit_rate = Gauge("radixlm_cache_hit_rate", "Prompt tokens matched in the radix cache / queried", registry=r)
+
+    def on_request_end(self, state: Any) -> None:
+        reason = (state.finish_reason or {}).get("type", "abort")
+        self.requests.labels(finish_reason=reason).inc()
+        self.prompt_tokens.inc(state.prompt_tokens)
+        self.cached_tokens.inc(state.cached_tokens)
+        self.generation_tokens.inc(len(state.output_ids))
+        if state.last_token_time is not None:
+            self.e2e.observe(state.last_token_time - state.created)
+
+    def observe_ttft(self, seconds: float) -> None:
+        self.ttft.observe(seconds)
+
+    def observe_itl(self, seconds: float) -> None:
+        self.itl.observe(seconds)
+
+    def update_from_server_info(self, info: dict[str, Any]) -> None:
+        self.running.set(info.get("num_running_reqs", 0))
+        self.waiting.set(info.get("num_waiting_reqs", 0))
+        kv = info.get("kv", {})
+        if kv.get("capacity"):
+            self.kv_usage.set(1.0 - kv.get("free", 0) / kv["capacity"])
+        self.cache_hit_rate.set(info.get("cache", {}).get("hit_rate", 0.0))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,200 @@
+"""The scheduler process: receives requests over ZeroMQ, runs scheduler steps, and pushes each
+request's new tokens to the detokenizer (every step when streaming, else once at the end)."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import sys
+import traceback
+from dataclasses import dataclass
+from typing import Any
+
+import zmq
+
+from radixlm.srt import io_struct
+from radixlm.srt.io_struct import (AbortReq, BatchTokenOut, ControlReply, ControlReq, ReadySignal, ReqOutput,
+                                   TokenizedGenerateReq)
+from radixlm.srt.request import FinishReason, LogprobOptions, Req
+from radixlm.srt.sampler import make_generator
+from radixlm.srt.sampling_params import SamplingParams
+from radixlm.srt.scheduler import Scheduler
+from radixlm.srt.server_args import ServerArgs
+from radixlm.srt.process_utils import exit_when_parent_dies
+
+logger = logging.getLogger(__name__)
+
+# How long an idle scheduler blocks waiting for a request before looping (ms).
+_IDLE_POLL_MS = 1000
+
+
+@dataclass
+class _Sent:
+    """How much of a request's output has been sent already."""
+
+    ids: int = 0
+    output_logprobs: int = 0
+    input_logprobs: int = 0
+
+
+class SchedulerLoop:
+    def __init__(self, scheduler: Scheduler, recv: zmq.Socket, send: zmq.Socket):
+        self.scheduler = scheduler
+        self.recv = recv
+        self.send = send
+        self.sent: dict[str, _Sent] = {}
+        self.reqs: dict[str, Req] = {}
+
+    def run_forever(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self.recv, zmq.POLLIN)
+        while True:
+            timeout = 0 if self.scheduler.has_work else _IDLE_POLL_MS
+            if poller.poll(timeout):
+                self._drain_requests()
+            if self.scheduler.has_work:
+                self.run_step()
+
+    def run_step(self) -> None:
+        try:
+            stepped = self.scheduler.step()
+        except Exception as e:  # keep serving: fail what was in flight, not the process
+            logger.error("scheduler step failed:\n%s", traceback.format_exc())
+            stepped = self.scheduler.abort_all(f"internal error: {e}")
+        self._send_outputs(stepped)
+
+    # ---- incoming ------------------------------------------------------------------------------
+
+    def _drain_requests(self) -> None:
+        while True:
+            try:
+                payload = self.recv.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            try:
+                self._handle(io_struct.decode(payload))
+            except Exception:
+                logger.exception("dropped a bad message")
+
+    def _handle(self, msg: Any) -> None:
+        if isinstance(msg, TokenizedGenerateReq):
+            self._add(msg)
+        elif isinstance(msg, AbortReq):
+            rids = [msg.rid] if msg.rid else list(self.reqs)
+            aborted = [r for r in (self.scheduler.abort(rid) for rid in rids) if r is not None]
+            self._send_outputs(aborted)
+        elif isinstance(msg, ControlReq):
+            self._send(self._control(msg))
+        else:
+            logger.warning("unexpected message %s", type(msg).__name__)
+
+    def _add(self, msg: TokenizedGenerateReq) -> None:
+        try:
+            sp = SamplingParams.from_dict(msg.sampling_params, vocab_size=self.scheduler.config.vocab_size)
+        except ValueError as e:  # the main process validates; this guards a bad peer
+            req = Req(rid=msg.rid, origin_input_ids=msg.input_ids, sampling_params=SamplingParams())
+            req.finish_reason = FinishReason("abort", message=str(e))
+            self._send_outputs([req])
+            return
+        req = Req(rid=msg.rid, origin_input_ids=list(msg.input_ids), sampling_params=sp,
+                  logprob=LogprobOptions(msg.return_logprob, msg.logprob_start_len, msg.top_logprobs_num),
+                  namespace=msg.namespace, stream=msg.stream,
+                  generator=make_generator(sp.seed, self.scheduler.device))
+        self.reqs[req.rid] = req
+        self.sent[req.rid] = _Sent()
+        self.scheduler.add_request(req)
+
+    def _control(self, msg: ControlReq) -> ControlReply:
+        if msg.kind == "flush_cache":
+            ok = self.scheduler.flush_cache()
+            return ControlReply(msg.request_id, ok, {} if ok else {"message": "requests are running"})
+        if msg.kind == "server_info":
+            return ControlReply(msg.request_id, True, self.scheduler.server_info())
+        return ControlReply(msg.request_id, False, {"message": f"unknown control kind {msg.kind!r}"})
+
+    # ---- outgoing ------------------------------------------------------------------------------
+
+    def _send_outputs(self, reqs: list[Req]) -> None:
+        outputs = [out for out in (self._output(r) for r in reqs) if out is not None]
+        if outputs:
+            self._send(BatchTokenOut(outputs))
+
+    def _output(self, req: Req) -> ReqOutput | None:
+        if not (req.stream or req.finished):
+            return None
+        sent = self.sent.get(req.rid, _Sent())
+        new_ids = req.output_ids[sent.ids:]
+        if not new_ids and not req.finished and len(req.input_token_logprobs) == sent.input_logprobs:
+            return None
+        sp = req.sampling_params
+        want_lp = req.logprob.return_logprob
+        out = ReqOutput(
+            rid=req.rid, new_token_ids=new_ids,
+            finish_reason=req.finish_reason.to_dict() if req.finish_reason else None,
+            prompt_tokens=len(req.origin_input_ids), completion_tokens=len(req.output_ids),
+            cached_tokens=req.cached_tokens, skip_special_tokens=sp.skip_special_tokens,
+            spaces_between_special_tokens=sp.spaces_between_special_tokens, stop=list(sp.stop),
+            no_stop_trim=sp.no_stop_trim,
+            input_token_logprobs=_pairs(req.input_token_logprobs[sent.input_logprobs:]) if want_lp else None,
+            input_top_logprobs=_tops(req.input_top_logprobs[sent.input_logprobs:]) if want_lp else None,
+            output_token_logprobs=_pairs(req.output_token_logprobs[sent.output_logprobs:]) if want_lp else None,
+            output_top_logprobs=_tops(req.output_top_logprobs[sent.output_logprobs:]) if want_lp else None,
+        )
+        if req.finished:
+            self.sent.pop(req.rid, None)
+            self.reqs.pop(req.rid, None)
+        else:
+            sent.ids = len(req.output_ids)
+            sent.output_logprobs = len(req.output_token_logprobs)
+            sent.input_logprobs = len(req.input_token_logprobs)
+        return out
+
+    def _send(self, msg: Any) -> None:
+        self.send.send(io_struct.encode(msg))
+
+
+def _pairs(items: list[tuple[Any, int]]) -> list[list[Any]]:
+    return [[lp, tok] for lp, tok in items]
+
+
+def _tops(items: list[Any]) -> list[Any]:
+    return [None if top is None else _pairs(top) for top in items]
+
+
+def run_scheduler_process(server_args: dict[str, Any], recv_addr: str, send_addr: str, ready_addr: str) -> None:
+    """Process entry point (started with multiprocessing's spawn)."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s scheduler %(levelname)s %(message)s")
+    exit_when_parent_dies()
+    ctx = zmq.Context()
+    ready = ctx.socket(zmq.PUSH)
+    ready.setsockopt(zmq.LINGER, 1000)
+    ready.connect(ready_addr)
+    try:
+        from radixlm.srt.model_loader import load_model
+
+        args = ServerArgs(**server_args)
+        loaded = load_model(args.model_path, dtype=args.resolved_dtype(), load_format=args.load_format,
+                            tokenizer_path=args.tokenizer_path, device=args.resolved_device())
+        scheduler = Scheduler(loaded, args)
+        recv = ctx.socket(zmq.PULL)
+        recv.setsockopt(zmq.LINGER, 0)
+        recv.bind(recv_addr)
+        send = ctx.socket(zmq.PUSH)
+        send.setsockopt(zmq.LINGER, 0)
+        send.connect(send_addr)
+    except Exception as e:
+        logger.error("scheduler failed to start:\n%s", traceback.format_exc())
+        ready.send(io_struct.encode(ReadySignal("scheduler", False, error=f"{type(e).__name__}: {e}")))
+        ready.close()
+        sys.exit(1)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    signal.signal(signal.SIGINT, lambda *_: sys.exit(0))
+    ready.send(io_struct.encode(ReadySignal("scheduler", True, info={
+        "max_total_tokens": scheduler.allocator.capacity, "context_len": scheduler.context_len})))
+    ready.close()
+    try:
+        SchedulerLoop(scheduler, recv, send).run_forever()
+    finally:
+        recv.close()
+        send.close()
+        ctx.term()

@@ -1,0 +1,86 @@
+"""Process lifecycle, API keys and KV pressure, each on a server of its own."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import signal
+import time
+
+import httpx
+import pytest
+
+from server_helpers import ServerProcess, pid_alive
+
+
+@pytest.fixture(scope="module")
+def small_server():
+    """Little KV (600 slots) and an API key: queueing, retraction and auth are all exercised."""
+    srv = ServerProcess("--max-total-tokens", "600", "--max-running-requests", "8",
+                        "--chunked-prefill-size", "64", api_key="test-secret")
+    yield srv
+    srv.stop()
+
+
+def test_api_key_required_except_health(small_server):
+    url = small_server.base_url
+    assert httpx.get(f"{url}/health").status_code == 200
+    body = {"text": "hi", "sampling_params": {"max_new_tokens": 1}}
+    assert httpx.post(f"{url}/generate", json=body).status_code == 401
+    wrong = httpx.post(f"{url}/generate", json=body, headers={"Authorization": "Bearer nope"})
+    assert wrong.status_code == 401 and "API key" in wrong.json()["error"]["message"]
+    assert httpx.get(f"{url}/get_server_info").status_code == 401
+    with small_server.client() as c:
+        assert c.post("/generate", json=body).status_code == 200
+
+
+def test_more_work_than_kv_completes_through_queueing_and_retraction(small_server):
+    """8 requests need ~8 x 130 tokens of KV but only 600 slots exist; greedy outputs must equal
+    each request run alone."""
+    prompts = [f"Request {i}: list the numbers from one to forty in words, separated by commas:" for i in range(8)]
+    params = {"temperature": 0, "max_new_tokens": 100, "ignore_eos": True}
+    with small_server.client(timeout=600) as c:
+        solo = [c.post("/generate", json={"text": p, "sampling_params": params}).json()["output_ids"] for p in prompts[:2]]
+
+    async def run():
+        async with httpx.AsyncClient(base_url=small_server.base_url, headers=small_server.headers(), timeout=600) as c:
+            return await asyncio.gather(*(c.post("/generate", json={"text": p, "sampling_params": params})
+                                          for p in prompts))
+
+    results = [r.json() for r in asyncio.run(run())]
+    assert all(r["meta_info"]["completion_tokens"] == 100 for r in results)
+    assert [r["output_ids"] for r in results[:2]] == solo
+    with small_server.client() as c:
+        kv = c.get("/get_server_info").json()["kv"]
+    assert kv["leaked"] == 0 and kv["protected"] == 0
+    assert "retracted" in small_server.log()
+
+
+def test_sigterm_stops_children_and_removes_sockets():
+    srv = ServerProcess("--max-total-tokens", "1024")
+    children = srv.children_pids()
+    ipc_dir = re.search(r"ipc directory: (\S+)", srv.log()).group(1)
+    assert os.path.isdir(ipc_dir) and os.stat(ipc_dir).st_mode & 0o777 == 0o700
+    assert srv.stop(signal.SIGTERM) == 0
+    assert not os.path.exists(ipc_dir)
+    assert children and not any(pid_alive(p) for p in children)
+
+
+def test_dead_child_makes_server_unhealthy_and_exit_nonzero():
+    srv = ServerProcess("--max-total-tokens", "1024")
+    children = srv.children_pids()
+    os.kill(children[-1], signal.SIGKILL)
+    saw_unhealthy = False
+    deadline = time.monotonic() + 30
+    while srv.proc.poll() is None and time.monotonic() < deadline:
+        try:
+            saw_unhealthy |= httpx.get(f"{srv.base_url}/health", timeout=1).status_code == 503
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    assert srv.proc.wait(30) != 0
+    assert saw_unhealthy
+    time.sleep(2)
+    assert not any(pid_alive(p) for p in children)
+    srv.stop()
