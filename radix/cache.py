@@ -169,6 +169,25 @@ class RadixCache:
             slots.extend(value)
         return MatchResult(slots, node)
 
+    def cached_prefix_len(self, key: Sequence[int], namespace: Hashable = None) -> int:
+        """What `match_prefix` would match, read-only: no split, no LRU touch, no statistics.
+        For scheduling priority, which may ask about the same request many times."""
+        root = self._roots.get(namespace)
+        if self.disable or root is None:
+            return 0
+        key = self._aligned(key)
+        ps, n, pos, node = self.page_size, len(key), 0, root
+        while pos < n:
+            child = node.children.get(tuple(key[pos:pos + ps]))
+            if child is None:
+                break
+            m = common_prefix_len(child.key, key, pos)
+            if m < len(child.key):
+                return pos + m - m % ps
+            pos += m
+            node = child
+        return pos
+
     def _walk(self, node: TreeNode, key: list[int], now: int) -> tuple[TreeNode, int]:
         """Follows `key` down from `node`, marking the path used at `now`.
 

@@ -25,6 +25,14 @@ from radixlm.srt.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
 
+LPM_MAX_QUEUE = 256
+# Admission keeps room for running requests to decode `ratio * remaining tokens` more. The ratio
+# starts cautious, decays while decoding goes fine, and jumps back up after a retraction.
+INIT_NEW_TOKEN_RATIO = 0.7
+MIN_NEW_TOKEN_RATIO = 0.1
+NEW_TOKEN_RATIO_DECAY = 0.002
+RETRACT_RATIO_BUMP = 0.2
+
 
 class Scheduler:
     def __init__(self, loaded, args: ServerArgs):
@@ -43,6 +51,7 @@ class Scheduler:
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []
         self.chunked: Req | None = None  # a request whose prompt is being prefilled in chunks
+        self.new_token_ratio = INIT_NEW_TOKEN_RATIO
 
     def _eos_ids(self, loaded) -> tuple[int, ...]:
         ids = set(self.config.eos_token_ids)
@@ -116,8 +125,7 @@ class Scheduler:
             if newly_admitted and not self._admit(req):
                 break
             extend_len = min(req.seq_len - req.kv_len, budget)
-            # Leave a page per running request so admission does not starve the decode batch.
-            reserve = len(self.running) * self.args.page_size if newly_admitted else 0
+            reserve = self._decode_reserve(plans) if newly_admitted else 0
             slots = self._alloc(req, extend_len, reserve)
             if slots is None:
                 if newly_admitted:
@@ -131,12 +139,19 @@ class Scheduler:
             budget -= extend_len
         return plans
 
+    def _decode_reserve(self, plans: list[ExtendPlan]) -> int:
+        """KV to keep free for the tokens that running (and just admitted) requests will decode."""
+        reqs = self.running + [p.req for p in plans]
+        remaining = sum(max(0, r.sampling_params.max_new_tokens - len(r.output_ids)) for r in reqs)
+        return int(remaining * self.new_token_ratio) + len(reqs) * self.args.page_size
+
     def _ordered_waiting(self) -> list[Req]:
         if self.args.schedule_policy == "fcfs" or self.tree.disable:
             return list(self.waiting)
+        if len(self.waiting) > LPM_MAX_QUEUE:  # sorting a huge queue costs more than it saves
+            return list(self.waiting)
         # lpm: longest cached prefix first, so shared prefixes are computed once and reused.
-        return sorted(self.waiting, key=lambda r: -self.tree.match_prefix(
-            r.fill_ids[:-1], namespace=r.namespace).matched_len)
+        return sorted(self.waiting, key=lambda r: -self.tree.cached_prefix_len(r.fill_ids[:-1], r.namespace))
 
     def _admit(self, req: Req) -> bool:
         """Takes a table row and locks the longest cached prefix."""
@@ -220,6 +235,8 @@ class Scheduler:
             if needed <= self.allocator.available_size or len(reqs) == 1:
                 break
             self._retract(reqs.pop())
+            self.new_token_ratio = min(1.0, self.new_token_ratio + RETRACT_RATIO_BUMP)
+        self.new_token_ratio = max(MIN_NEW_TOKEN_RATIO, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY)
         slots: list[int] = []
         for req in reqs:
             got = self._alloc(req, 1)

@@ -67,6 +67,20 @@ def test_insert_then_match_returns_slots() -> None:
     assert cache.match_prefix([5]).matched_len == 0
 
 
+@pytest.mark.parametrize("page_size", [1, 2])
+def test_cached_prefix_len_is_a_read_only_match(page_size: int) -> None:
+    cache, pool = make_cache(page_size=page_size)
+    insert_fresh(cache, pool, [1, 2, 3, 4, 5, 6])
+    insert_fresh(cache, pool, [1, 2, 3, 9, 9, 9], namespace="salt")
+    before = (cache.stats, cache.node_count())
+    for key, ns in (([1, 2, 3, 4, 7], None), ([1, 2, 3, 9, 9, 9, 1], "salt"), ([8], None), ([1, 2], "other")):
+        got = cache.cached_prefix_len(key, ns)
+        assert (cache.stats, cache.node_count()) == before  # no split, no statistics
+        assert got == cache.match_prefix(key, ns).matched_len
+        cache.reset_stats()
+        before = (cache.stats, cache.node_count())
+
+
 def test_match_inside_node_splits_it() -> None:
     cache, pool = make_cache()
     insert_fresh(cache, pool, [1, 2, 3, 4, 5])

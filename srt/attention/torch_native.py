@@ -56,10 +56,11 @@ class TorchNativeBackend(AttentionBackend):
             # so SDPA sees plain multi-head attention ([B, Hkv, group, D] against [B, Hkv, L, D]).
             num_reqs, max_len = self._decode_slots.shape
             flat = self._decode_slots.reshape(-1)
-            kv_shape = (num_reqs, max_len, k.shape[1], k.shape[2])
-            keys = k_buf.index_select(0, flat).view(kv_shape).transpose(1, 2).contiguous()
-            values = v_buf.index_select(0, flat).view(kv_shape).transpose(1, 2).contiguous()
-            grouped_q = q.view(num_reqs, k.shape[1], -1, q.shape[-1]).to(keys.dtype)
+            num_kv_heads, head_dim = k.shape[1], k.shape[2]
+            # [Hkv, B*L, D] -> [B, Hkv, L, D] as a strided view (SDPA reads it without a copy).
+            keys = k_buf.index_select(1, flat).view(num_kv_heads, num_reqs, max_len, head_dim).transpose(0, 1)
+            values = v_buf.index_select(1, flat).view(num_kv_heads, num_reqs, max_len, head_dim).transpose(0, 1)
+            grouped_q = q.view(num_reqs, num_kv_heads, -1, head_dim).to(keys.dtype)
             out = F.scaled_dot_product_attention(grouped_q, keys, values, attn_mask=self._decode_mask, scale=self.scale)
             return out.reshape(num_reqs, -1).to(q.dtype)
         outs = []
@@ -71,8 +72,8 @@ class TorchNativeBackend(AttentionBackend):
                 vi = v[start:start + extend_len].transpose(0, 1).contiguous()
                 oi = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=self.scale, enable_gqa=True)
             else:
-                ki = k_buf.index_select(0, slots).transpose(0, 1).contiguous().to(q.dtype)
-                vi = v_buf.index_select(0, slots).transpose(0, 1).contiguous().to(q.dtype)
+                ki = k_buf.index_select(1, slots).to(q.dtype)  # [Hkv, seq_len, D]
+                vi = v_buf.index_select(1, slots).to(q.dtype)
                 oi = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=self.scale, enable_gqa=True)
             outs.append(oi.transpose(0, 1).reshape(extend_len, -1))
         return torch.cat(outs) if len(outs) > 1 else outs[0]
