@@ -62,8 +62,12 @@ class Engine:
         start = time.perf_counter()
         for req in reqs:
             self.scheduler.add_request(req)
-        while not all(r.finished for r in reqs):
-            self.scheduler.step()
+        try:
+            while not all(r.finished for r in reqs):
+                self.scheduler.step()
+        except BaseException as e:  # leave the scheduler clean for the next call
+            self.scheduler.abort_all(f"internal error: {e}")
+            raise
         latency = time.perf_counter() - start
         outputs = [self._output(r, latency, return_text_in_logprobs) for r in reqs]
         return outputs if batched or len(outputs) > 1 else outputs[0]

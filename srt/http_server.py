@@ -44,20 +44,56 @@ def field_of(message: str) -> str | None:
     return head if head and " " not in head else None
 
 
+class _BodyTooLarge(Exception):
+    pass
+
+
+class _Guard:
+    """API key and body-size checks as a plain ASGI middleware. (Starlette's BaseHTTPMiddleware
+    would hide client disconnects from the handlers, which abort requests on them.)"""
+
+    def __init__(self, app: Any, api_key: str | None):
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode() if api_key else None
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = dict(scope["headers"])
+        length = headers.get(b"content-length", b"0")
+        if not length.isdigit() or int(length) > MAX_REQUEST_BYTES:
+            return await error_response(413, f"request body over {MAX_REQUEST_BYTES} bytes")(scope, receive, send)
+        if self.expected and scope["path"] not in _OPEN_PATHS and \
+                not secrets.compare_digest(headers.get(b"authorization", b""), self.expected):
+            return await error_response(401, "missing or wrong API key (Authorization: Bearer <key>)")(
+                scope, receive, send)
+        received = 0
+        started = False
+
+        async def counting_receive() -> Any:  # a chunked body has no content-length to check
+            nonlocal received
+            message = await receive()
+            received += len(message.get("body", b""))
+            if received > MAX_REQUEST_BYTES:
+                raise _BodyTooLarge()
+            return message
+
+        async def tracking_send(message: Any) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, counting_receive, tracking_send)
+        except _BodyTooLarge:
+            if not started:
+                await error_response(413, f"request body over {MAX_REQUEST_BYTES} bytes")(scope, receive, send)
+
+
 def create_app(state: ServerState, api_key: str | None) -> FastAPI:
     app = FastAPI(title="radixlm", docs_url=None, redoc_url=None)
     app.state.server = state
-
-    @app.middleware("http")
-    async def guard(request: Request, call_next):
-        length = request.headers.get("content-length")
-        if length is not None and (not length.isdigit() or int(length) > MAX_REQUEST_BYTES):
-            return error_response(413, f"request body over {MAX_REQUEST_BYTES} bytes")
-        if api_key and request.url.path not in _OPEN_PATHS:
-            given = request.headers.get("authorization", "")
-            if not secrets.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
-                return error_response(401, "missing or wrong API key (Authorization: Bearer <key>)")
-        return await call_next(request)
+    app.add_middleware(_Guard, api_key=api_key)
 
     @app.get("/health")
     async def health() -> Response:

@@ -47,6 +47,7 @@ class Req:
     req_pool_idx: int | None = None
     kv_len: int = 0
     cached_len: int = 0
+    alloc_len: int = 0  # table positions with slots allocated (>= kv_len while a forward runs)
     last_node: Any = None
     cached_tokens: int = 0  # prompt tokens served from the cache, for meta_info
 

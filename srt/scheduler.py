@@ -52,6 +52,7 @@ class Scheduler:
         self.running: list[Req] = []
         self.chunked: Req | None = None  # a request whose prompt is being prefilled in chunks
         self.new_token_ratio = INIT_NEW_TOKEN_RATIO
+        self.in_flight: list[Req] = []  # the batch of the forward being run
 
     def _eos_ids(self, loaded) -> tuple[int, ...]:
         ids = set(self.config.eos_token_ids)
@@ -82,6 +83,8 @@ class Scheduler:
     def abort_all(self, message: str) -> list[Req]:
         """Ends every request (after an internal error), releasing all their KV."""
         reqs = list(self.waiting) + self.running + ([self.chunked] if self.chunked else [])
+        reqs += [r for r in self.in_flight if r not in reqs and not r.finished]
+        self.in_flight = []
         self.waiting.clear()
         self.running, self.chunked = [], None
         for req in reqs:
@@ -184,6 +187,7 @@ class Scheduler:
         slots = self.allocator.alloc(req.kv_len, new_len, last)
         if slots is not None:
             self.req_pool.table[req.req_pool_idx, req.kv_len:req.kv_len + new_len] = torch.tensor(slots)
+            req.alloc_len = req.kv_len + new_len
         return slots
 
     def _extend_plan(self, req: Req, extend_len: int, slots: list[int]) -> ExtendPlan:
@@ -198,6 +202,7 @@ class Scheduler:
         return ExtendPlan(req, req.kv_len, extend_len, slots, first, max(0, end - first))
 
     def _run_extend(self, plans: list[ExtendPlan]) -> list[Req]:
+        self.in_flight = [p.req for p in plans]
         logits = self.runner.forward(build_extend_batch(plans, self.device))
         done_prefill: list[tuple[Req, torch.Tensor]] = []
         offset = 0
@@ -243,6 +248,7 @@ class Scheduler:
             if got is None:
                 raise RuntimeError("the KV pool cannot hold one request; raise --max-total-tokens")
             slots.extend(got)
+        self.in_flight = reqs
         logits = self.runner.forward(build_decode_batch(reqs, slots, self.device))
         for req in reqs:
             req.kv_len += 1
@@ -294,10 +300,11 @@ class Scheduler:
         if req.req_pool_idx is None:
             return
         row = req.req_pool_idx
-        slots = self.req_pool.table[row, :req.kv_len].tolist()
+        # Up to alloc_len: a forward that failed may have taken slots it never filled.
+        slots = self.req_pool.table[row, :max(req.kv_len, req.alloc_len)].tolist()
         adopted = req.cached_len
         if not keep_waiting and req.finish_reason is not None and req.finish_reason.type != "abort":
-            already = self.tree.insert(req.fill_ids[:req.kv_len], slots, namespace=req.namespace)
+            already = self.tree.insert(req.fill_ids[:req.kv_len], slots[:req.kv_len], namespace=req.namespace)
             self.allocator.free(slots[req.cached_len:already])
             adopted = max(already, self._aligned(req.kv_len) if not self.tree.disable else 0)
         self.allocator.free(slots[adopted:])
@@ -305,7 +312,7 @@ class Scheduler:
         self.req_pool.free(row)
         req.req_pool_idx = None
         req.last_node = None
-        req.kv_len = req.cached_len = 0
+        req.kv_len = req.cached_len = req.alloc_len = 0
         if keep_waiting:
             self.waiting.appendleft(req)
 
