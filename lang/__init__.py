@@ -1,3 +1,27 @@
-"""radixlm: a language for structured LLM programs, served by a radix-cache runtime."""
+"""radixlm: a language for structured LLM programs, served by a radix-cache runtime.
+
+Names follow SGLang's frontend, so `import radixlm as sgl` runs SGLang programs unchanged.
+Importing this package is cheap: nothing here imports torch or transformers.
+"""
+
+from radixlm.backend import Backend, BackendError, flush_cache, get_server_info, set_default_backend
+from radixlm.choices import (ChoiceDecision, ChoicesMethod, greedy_token_selection, token_length_normalized,
+                             unconditional_likelihood_normalized)
+from radixlm.function import SglFunction, function
+from radixlm.ir import (assistant, assistant_begin, assistant_end, gen, gen_int, gen_string, select, system,
+                        system_begin, system_end, user, user_begin, user_end)
+from radixlm.openai_backend import OpenAI
+from radixlm.runtime import Runtime
+from radixlm.runtime_endpoint import RuntimeEndpoint
+from radixlm.sampling import SamplingParams
+from radixlm.state import ProgramState, ProgramStateGroup
 
 __version__ = "0.1.0"
+
+__all__ = [
+    "Backend", "BackendError", "ChoiceDecision", "ChoicesMethod", "OpenAI", "ProgramState", "ProgramStateGroup",
+    "Runtime", "RuntimeEndpoint", "SamplingParams", "SglFunction", "assistant", "assistant_begin", "assistant_end",
+    "flush_cache", "function", "gen", "gen_int", "gen_string", "get_server_info", "greedy_token_selection",
+    "select", "set_default_backend", "system", "system_begin", "system_end", "token_length_normalized",
+    "unconditional_likelihood_normalized", "user", "user_begin", "user_end", "__version__",
+]

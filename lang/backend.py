@@ -1,0 +1,100 @@
+"""The interface between the interpreter and a model server, and the default backend.
+
+A backend turns one `gen`/`select` of a program into calls on a server. Every call carries
+the program's whole text (`Prompt.text`); the server's radix cache makes the part it has seen
+before free. Chat-only APIs use `Prompt.messages` instead.
+"""
+
+from __future__ import annotations
+
+import threading
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+from radixlm.chat_template import ChatRenderer
+from radixlm.choices import ChoiceDecision, ChoicesMethod
+from radixlm.sampling import SamplingParams
+
+
+class BackendError(RuntimeError):
+    """A server refused or failed a request; the message is the server's."""
+
+
+@dataclass(frozen=True)
+class Prompt:
+    text: str  # the program's whole text so far
+    messages: tuple[dict[str, Any], ...] = ()  # complete chat turns so far
+    role: str | None = None  # the open turn's role, if any
+    role_content: str = ""  # the open turn's content so far
+
+
+@dataclass(frozen=True)
+class Generation:
+    texts: list[str]  # one per sample (n)
+    meta_infos: list[dict[str, Any]] = field(default_factory=list)
+
+
+class Backend(ABC):
+    """`generate`, `generate_stream`, `select`, `cache_prefix`, `get_chat_template`, `flush_cache`."""
+
+    @abstractmethod
+    def generate(self, prompt: Prompt, params: SamplingParams) -> Generation: ...
+
+    @abstractmethod
+    def generate_stream(self, prompt: Prompt, params: SamplingParams) -> Iterator[tuple[str, dict[str, Any]]]:
+        """Yields (new text, meta_info so far) until the generation ends."""
+
+    @abstractmethod
+    def select(self, prompt: Prompt, choices: list[str], temperature: float,
+               method: ChoicesMethod) -> ChoiceDecision: ...
+
+    def cache_prefix(self, text: str) -> None:
+        """Computes `text` into the server's prefix cache without generating (a hint: may no-op)."""
+
+    @abstractmethod
+    def get_chat_template(self) -> ChatRenderer: ...
+
+    def flush_cache(self) -> bool:
+        return False
+
+    def get_server_info(self) -> dict[str, Any]:
+        return {}
+
+
+_default: Backend | None = None
+_default_lock = threading.Lock()
+
+
+def set_default_backend(backend: Backend) -> None:
+    """The backend `run`/`run_batch` use when none is passed."""
+    global _default
+    if not isinstance(backend, Backend):
+        raise TypeError(f"set_default_backend: expected a backend (RuntimeEndpoint, Runtime, OpenAI), "
+                        f"got {type(backend).__name__}")
+    with _default_lock:
+        _default = backend
+
+
+def get_default_backend() -> Backend | None:
+    return _default
+
+
+def resolve_backend(backend: Backend | None) -> Backend:
+    chosen = backend if backend is not None else _default
+    if chosen is None:
+        raise RuntimeError("no backend: pass backend=... or call set_default_backend(RuntimeEndpoint(url))")
+    if not isinstance(chosen, Backend):
+        raise TypeError(f"backend: expected a RuntimeEndpoint, Runtime or OpenAI, got {type(chosen).__name__}")
+    return chosen
+
+
+def flush_cache(backend: Backend | None = None) -> bool:
+    """Empties the server's prefix cache; False when there is no backend or it cannot."""
+    chosen = backend if backend is not None else _default
+    return chosen.flush_cache() if chosen is not None else False
+
+
+def get_server_info(backend: Backend | None = None) -> dict[str, Any]:
+    chosen = backend if backend is not None else _default
+    return chosen.get_server_info() if chosen is not None else {}

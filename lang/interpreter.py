@@ -1,0 +1,303 @@
+"""The interpreter: executes a program state's expressions in order on a backend.
+
+Each state has one worker thread (started on first use) that runs its expressions in the
+order they were added, so `s += gen(...)` returns at once and the program's Python code runs
+ahead until it reads a value (`s["x"]` waits for it). Fork branches have their own workers,
+which is what runs them concurrently. The first failure stops a state: later expressions are
+skipped and every reader of a value not yet set gets the exception.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from typing import Any, Iterator
+
+from radixlm.backend import Backend, BackendError, Prompt
+from radixlm.chat_template import ChatRenderer
+from radixlm.ir import (CommitPrefix, Constant, Expr, ExprList, Gen, RoleBegin, RoleEnd, Select,
+                        VarScopeBegin, VarScopeEnd, names_in)
+from radixlm.sampling import SamplingParams
+
+_END = object()  # the worker's stop signal
+
+
+class StreamExecutor:
+    def __init__(self, backend: Backend, defaults: SamplingParams, stream: bool = False,
+                 chat: ChatRenderer | None = None, threaded: bool = True):
+        self.backend = backend
+        self.defaults = defaults
+        self.stream = stream
+        self.threaded = threaded  # False: run each expression inline (the tracer)
+        self.text_ = ""
+        self.messages_: list[dict[str, Any]] = []
+        self.variables: dict[str, Any] = {}
+        self.meta_info: dict[str, Any] = {}
+        self.partial: dict[str, str] = {}  # streaming gens' text so far
+        self.error_: BaseException | None = None
+        self.finished = False
+        self.children: list[StreamExecutor] = []
+        self._chat = chat
+        self._role: str | None = None
+        self._role_start = self._content_start = 0
+        self._scopes: dict[str, int] = {}
+        self._pending: dict[str, int] = {}  # submitted names -> how many sets are still to come
+        self._cond = threading.Condition()
+        self._queue: queue.Queue = queue.Queue()
+        self._worker: threading.Thread | None = None
+        self._ended = False
+        self.program_thread: threading.Thread | None = None  # the thread running the program function
+
+    # ---- submitting and waiting -------------------------------------------------------------
+
+    def submit(self, expr: Expr) -> None:
+        with self._cond:
+            if self._ended:
+                raise RuntimeError("this program state has ended; it takes no more expressions")
+            for name in names_in(expr):
+                self._pending[name] = self._pending.get(name, 0) + 1
+        if not self.threaded:
+            self._execute(expr)
+            return
+        if self._worker is None:
+            self._worker = threading.Thread(target=self._work, name="radixlm-program", daemon=True)
+            self._worker.start()
+        self._queue.put(expr)
+
+    def sync(self) -> None:
+        """Waits until every expression submitted so far has run (or been skipped by an error)."""
+        self._queue.join()
+
+    def end(self) -> None:
+        """No more expressions; the worker stops after the queued ones. Ends fork branches too."""
+        for child in self.children:
+            child.end()
+        with self._cond:
+            if self._ended:
+                return
+            self._ended = True
+            if self._worker is None:
+                self.finished = True
+                self._cond.notify_all()
+                return
+        self._queue.put(_END)
+
+    def settle(self) -> None:
+        """From the program's own thread: waits for what it submitted so far. From any other
+        thread (a caller of a streaming run): waits for the whole program to end."""
+        if self.program_thread is None or threading.current_thread() is self.program_thread:
+            self.sync()
+        else:
+            self.wait_finished()
+
+    def wait_finished(self) -> None:
+        with self._cond:
+            self._cond.wait_for(lambda: self.finished)
+
+    def record_error(self, error: BaseException) -> None:
+        with self._cond:
+            if self.error_ is None:
+                self.error_ = error
+            self._cond.notify_all()
+
+    def get_var(self, name: str) -> Any:
+        with self._cond:
+            self._cond.wait_for(lambda: not self._pending.get(name) or self.error_ is not None)
+            if self._pending.get(name) and self.error_ is not None:
+                raise self.error_
+            if name not in self.variables:
+                raise KeyError(f"no variable {name!r} in this program state (known: {sorted(self.variables)})")
+            return self.variables[name]
+
+    def set_var(self, name: str, value: Any) -> None:
+        with self._cond:
+            self.variables[name] = value
+            self._cond.notify_all()
+
+    def has_var(self, name: str) -> bool:
+        with self._cond:
+            return name in self.variables or bool(self._pending.get(name))
+
+    def get_meta_info(self, name: str) -> Any:
+        self.get_var(name)
+        with self._cond:
+            return self.meta_info.get(name)
+
+    def text_iter(self, var: str | None) -> Iterator[str]:
+        """New text as it arrives (of the whole state, or of one variable) until it is final."""
+        sent = 0
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._current(var) is not None and len(self._current(var)) > sent
+                                    or self._var_done(var))
+                done = self._var_done(var)
+                current = self._current(var) or ""
+            if len(current) > sent:
+                yield current[sent:]
+                sent = len(current)
+            if done:
+                return
+
+    def _current(self, var: str | None) -> str | None:
+        if var is None:
+            return self.text_
+        if var in self.partial and self._pending.get(var):
+            return self.partial[var]
+        value = self.variables.get(var)
+        return value if isinstance(value, str) else None
+
+    def _var_done(self, var: str | None) -> bool:
+        if self.finished or self.error_ is not None:
+            return True
+        return var is not None and var in self.variables and not self._pending.get(var)
+
+    # ---- fork --------------------------------------------------------------------------------
+
+    def fork(self, size: int) -> list["StreamExecutor"]:
+        if not isinstance(size, int) or size < 1:
+            raise ValueError(f"fork: size must be an integer >= 1, got {size!r}")
+        if size > 1:
+            self.submit(CommitPrefix())  # the worker knows the final trunk text; this thread may not yet
+        self.sync()
+        if self.error_ is not None:
+            raise self.error_
+        branches = []
+        for _ in range(size):
+            child = StreamExecutor(self.backend, self.defaults, self.stream, self._chat, self.threaded)
+            child.program_thread = self.program_thread
+            child.text_, child.messages_ = self.text_, list(self.messages_)
+            child.variables, child.meta_info = dict(self.variables), dict(self.meta_info)
+            child._role, child._role_start, child._content_start = self._role, self._role_start, self._content_start
+            branches.append(child)
+        self.children.extend(branches)
+        return branches
+
+    # ---- execution ---------------------------------------------------------------------------
+
+    def _work(self) -> None:
+        while True:
+            expr = self._queue.get()
+            try:
+                if expr is _END:
+                    with self._cond:
+                        self.finished = True
+                        self._cond.notify_all()
+                    return
+                if self.error_ is None:
+                    self._execute(expr)
+            except BaseException as e:  # stored and raised to readers; never kills the program silently
+                self.record_error(e)
+            finally:
+                self._queue.task_done()
+
+    def _execute(self, expr: Expr) -> None:
+        if isinstance(expr, Constant):
+            self._append(expr.value)
+        elif isinstance(expr, ExprList):
+            for item in expr.items:
+                self._execute(item)
+        elif isinstance(expr, Gen):
+            self._gen(expr)
+        elif isinstance(expr, Select):
+            self._select(expr)
+        elif isinstance(expr, RoleBegin):
+            self._role_begin(expr.role)
+        elif isinstance(expr, RoleEnd):
+            self._role_end(expr.role)
+        elif isinstance(expr, VarScopeBegin):
+            self._scopes[expr.name] = len(self.text_)
+        elif isinstance(expr, VarScopeEnd):
+            start = self._scopes.pop(expr.name, None)
+            if start is None:
+                raise ValueError(f"var_scope {expr.name!r} ended without beginning")
+            self._set(expr.name, self.text_[start:], None)
+        elif isinstance(expr, CommitPrefix):
+            if self.text_:
+                self.backend.cache_prefix(self.text_)
+        else:
+            raise TypeError(f"unknown expression {expr!r}")
+
+    def _append(self, text: str) -> None:
+        with self._cond:
+            self.text_ += text
+            self._cond.notify_all()
+
+    def _set(self, name: str | None, value: Any, meta: Any) -> None:
+        if name is None:
+            return
+        with self._cond:
+            self.variables[name] = value
+            self.meta_info[name] = meta
+            self.partial.pop(name, None)
+            if self._pending.get(name):
+                self._pending[name] -= 1
+            self._cond.notify_all()
+
+    def _prompt(self) -> Prompt:
+        content = self.text_[self._content_start:] if self._role else ""
+        return Prompt(self.text_, tuple(self.messages_), self._role, content)
+
+    def _gen(self, expr: Gen) -> None:
+        params = self.defaults.merged(expr.params)
+        try:
+            if self.stream and (params.n or 1) == 1:
+                value, meta = self._gen_streaming(expr.name, params)
+            else:
+                result = self.backend.generate(self._prompt(), params)
+                self._append(result.texts[0])
+                one = len(result.texts) == 1 and (params.n or 1) == 1
+                value = result.texts[0] if one else result.texts
+                meta = result.meta_infos[0] if one and result.meta_infos else result.meta_infos
+        except BackendError as e:
+            if params.constrained:
+                raise BackendError(f"gen {expr.name!r}: dtype/regex/json_schema need constrained decoding (the "
+                                   f"runtime's constraints issue), which this server does not support yet: {e}") from e
+            raise
+        self._set(expr.name, value, meta)
+
+    def _gen_streaming(self, name: str | None, params: SamplingParams) -> tuple[str, Any]:
+        value, meta = "", None
+        if name is not None:
+            with self._cond:
+                self.partial[name] = ""
+        for delta, meta in self.backend.generate_stream(self._prompt(), params):
+            value += delta
+            with self._cond:
+                self.text_ += delta
+                if name is not None:
+                    self.partial[name] = value
+                self._cond.notify_all()
+        return value, meta
+
+    def _select(self, expr: Select) -> None:
+        decision = self.backend.select(self._prompt(), expr.choices, expr.temperature, expr.method)
+        if decision.decision not in expr.choices:  # a backend bug must not leak a non-choice
+            raise BackendError(f"select: the backend decided {decision.decision!r}, not one of the choices")
+        self._append(decision.decision)
+        self._set(expr.name, decision.decision, decision.meta_info)
+
+    # ---- roles -------------------------------------------------------------------------------
+
+    def _renderer(self) -> ChatRenderer:
+        if self._chat is None:
+            self._chat = self.backend.get_chat_template()
+        return self._chat
+
+    def _role_begin(self, role: str) -> None:
+        if self._role is not None:
+            raise ValueError(f"a {role} turn cannot begin inside the open {self._role} turn (roles do not nest)")
+        prefix = self._renderer().begin(self.messages_, role)
+        self._role_start = len(self.text_)
+        self._append(prefix)
+        self._role, self._content_start = role, len(self.text_)
+
+    def _role_end(self, role: str) -> None:
+        if self._role != role:
+            raise ValueError(f"{role}_end() without a matching {role}_begin() (open turn: {self._role})")
+        content = self.text_[self._content_start:]
+        keep, tail = self._renderer().end(self.messages_, role, self.text_[self._role_start:], content)
+        with self._cond:
+            self.text_ = self.text_[:self._role_start] + keep + tail
+            self.messages_.append({"role": role, "content": content})
+            self._role = None
+            self._cond.notify_all()

@@ -1,0 +1,183 @@
+"""The language's expressions and the functions that build them (`gen`, `select`, roles, ...).
+
+Expressions are plain data; the interpreter (`interpreter.py`) gives them meaning. `a + b`
+concatenates expressions and strings into an `ExprList`, so `s += "Q: " + gen("a")` works.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Union
+
+from radixlm.choices import ChoicesMethod, token_length_normalized
+from radixlm.sampling import SamplingParams
+
+
+class Expr:
+    """Base of every expression; supports `+` with strings and other expressions."""
+
+    def __add__(self, other: Any) -> "ExprList":
+        return ExprList([*_items(self), *_items(as_expr(other))])
+
+    def __radd__(self, other: Any) -> "ExprList":
+        return ExprList([*_items(as_expr(other)), *_items(self)])
+
+
+@dataclass(eq=False)
+class Constant(Expr):
+    value: str
+
+
+@dataclass(eq=False)
+class ExprList(Expr):
+    items: list[Expr]
+
+
+@dataclass(eq=False)
+class Gen(Expr):
+    name: str | None
+    params: SamplingParams
+
+
+@dataclass(eq=False)
+class Select(Expr):
+    name: str | None
+    choices: list[str]
+    temperature: float = 0.0
+    method: ChoicesMethod = token_length_normalized
+
+
+@dataclass(eq=False)
+class RoleBegin(Expr):
+    role: str
+
+
+@dataclass(eq=False)
+class RoleEnd(Expr):
+    role: str
+
+
+@dataclass(eq=False)
+class VarScopeBegin(Expr):
+    name: str
+
+
+@dataclass(eq=False)
+class VarScopeEnd(Expr):
+    name: str
+
+
+@dataclass(eq=False)
+class CommitPrefix(Expr):
+    """Prefill the text so far into the server's cache (before a fork)."""
+
+
+ExprLike = Union[str, Expr]
+
+
+def as_expr(value: Any) -> Expr:
+    if isinstance(value, Expr):
+        return value
+    if isinstance(value, str):
+        return Constant(value)
+    if value is None:
+        raise TypeError("cannot add None to a program state (a gen or select without a value?)")
+    raise TypeError(f"can only add a str or an expression (gen, select, role, ...) to a program state, "
+                    f"not {type(value).__name__}; convert it with str() first")
+
+
+def _items(expr: Expr) -> list[Expr]:
+    return list(expr.items) if isinstance(expr, ExprList) else [expr]
+
+
+def names_in(expr: Expr) -> list[str]:
+    """Variable names an expression will set (so readers can wait for them)."""
+    if isinstance(expr, ExprList):
+        return [n for item in expr.items for n in names_in(item)]
+    if isinstance(expr, (Gen, Select)) and expr.name is not None:
+        return [expr.name]
+    if isinstance(expr, VarScopeEnd):
+        return [expr.name]
+    return []
+
+
+# ---- the public constructors ------------------------------------------------------------------
+
+def gen(name: str | None = None, max_tokens: int | None = None, *, choices: list[str] | None = None,
+        choices_method: ChoicesMethod | None = None, **params: Any) -> Expr:
+    """Generate text into variable `name`. Keywords are sampling parameters (`stop`,
+    `temperature`, `top_p`, `top_k`, `min_p`, `n`, `min_tokens`, `ignore_eos`, `return_logprob`,
+    `regex`, ...); they override the run's. With `choices`, this is `select`."""
+    if choices is not None:
+        temperature = params.pop("temperature", None)
+        if params or max_tokens is not None:
+            extra = sorted(params) + (["max_tokens"] if max_tokens is not None else [])
+            raise TypeError(f"gen(choices=...) selects a choice; it takes no sampling arguments {extra}")
+        return select(name, choices, 0.0 if temperature is None else temperature,
+                      choices_method or token_length_normalized)
+    if choices_method is not None:
+        raise TypeError("gen(choices_method=...) needs choices=[...]")
+    return Gen(name, SamplingParams.from_kwargs({"max_new_tokens": max_tokens, **params}, "gen"))
+
+
+def gen_int(name: str | None = None, max_tokens: int | None = None, **params: Any) -> Expr:
+    """An integer (needs constrained decoding in the runtime)."""
+    return Gen(name, SamplingParams.from_kwargs({"max_new_tokens": max_tokens, **params, "dtype": int}, "gen_int"))
+
+
+def gen_string(name: str | None = None, max_tokens: int | None = None, **params: Any) -> Expr:
+    """A double-quoted string (needs constrained decoding in the runtime)."""
+    return Gen(name, SamplingParams.from_kwargs({"max_new_tokens": max_tokens, **params, "dtype": str}, "gen_string"))
+
+
+def select(name: str | None = None, choices: list[str] | None = None, temperature: float = 0.0,
+           choices_method: ChoicesMethod = token_length_normalized) -> Select:
+    """Pick one of `choices` by the model's likelihood of each after the text so far."""
+    if not choices or not isinstance(choices, (list, tuple)):
+        raise ValueError("select: choices must be a non-empty list of strings")
+    if not all(isinstance(c, str) and c for c in choices):
+        raise ValueError("select: every choice must be a non-empty string")
+    if not isinstance(temperature, (int, float)) or temperature < 0:
+        raise ValueError(f"select: temperature must be a number >= 0, got {temperature!r}")
+    return Select(name, list(choices), float(temperature), choices_method)
+
+
+def _role(role: str, expr: ExprLike | None) -> ExprList:
+    inner = [] if expr is None else _items(as_expr(expr))
+    return ExprList([RoleBegin(role), *inner, RoleEnd(role)])
+
+
+def system(expr: ExprLike | None = None) -> ExprList:
+    return _role("system", expr)
+
+
+def user(expr: ExprLike | None = None) -> ExprList:
+    return _role("user", expr)
+
+
+def assistant(expr: ExprLike | None = None) -> ExprList:
+    return _role("assistant", expr)
+
+
+def system_begin() -> RoleBegin:
+    return RoleBegin("system")
+
+
+def system_end() -> RoleEnd:
+    return RoleEnd("system")
+
+
+def user_begin() -> RoleBegin:
+    return RoleBegin("user")
+
+
+def user_end() -> RoleEnd:
+    return RoleEnd("user")
+
+
+def assistant_begin() -> RoleBegin:
+    return RoleBegin("assistant")
+
+
+def assistant_end() -> RoleEnd:
+    return RoleEnd("assistant")

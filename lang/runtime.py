@@ -1,0 +1,154 @@
+"""Runtime: starts `radixlm serve` as a child process and is a backend for it.
+
+The server runs in its own process tree (HTTP front, scheduler, detokenizer) on a free port;
+this object waits until /health answers, then delegates every backend call to `.endpoint`, a
+RuntimeEndpoint. `shutdown()` (also run at interpreter exit) stops the child.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import dataclasses
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from typing import Any, Iterator
+
+from radixlm.backend import Backend, Generation, Prompt
+from radixlm.chat_template import ChatRenderer
+from radixlm.choices import ChoiceDecision, ChoicesMethod
+from radixlm.runtime_endpoint import RuntimeEndpoint
+from radixlm.sampling import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+_EXTRA_FLAGS = {"served_model_name", "log_level"}  # launch flags that are not ServerArgs fields
+_STOP_TIMEOUT_S = 30.0
+
+
+class Runtime(Backend):
+    """`Runtime(model_path=None, **server_args)`: server_args are `radixlm serve` flags with
+    underscores (max_total_tokens=16384, api_key="...", ...); `port` defaults to a free one."""
+
+    def __init__(self, model_path: str | None = None, *, startup_timeout: float = 600.0, log_level: str = "warning",
+                 **server_args: Any):
+        from radixlm.srt.server_args import ServerArgs  # no torch: its torch uses are inside methods
+
+        known = {f.name for f in dataclasses.fields(ServerArgs)} | _EXTRA_FLAGS
+        unknown = sorted(set(server_args) - known)
+        if unknown:
+            raise TypeError(f"Runtime() got unexpected server arguments {unknown}")
+        self.port = int(server_args.pop("port", None) or _free_port())
+        host = server_args.pop("host", "127.0.0.1")
+        self.url = f"http://{host}:{self.port}"
+        self.api_key = server_args.get("api_key")
+        args = [sys.executable, "-m", "radixlm.srt.launch", "--host", host, "--port", str(self.port),
+                "--log-level", log_level]
+        if model_path is not None:
+            args += ["--model-path", str(model_path)]
+        for name, value in server_args.items():
+            args += _flag(name, value)
+        self.log_path = os.path.join(tempfile.gettempdir(), f"radixlm-runtime-{self.port}.log")
+        self._log = open(self.log_path, "w")
+        # Own session: a Ctrl-C meant for the user's program does not hit the server first.
+        self._proc: subprocess.Popen | None = subprocess.Popen(
+            args, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
+        atexit.register(self.shutdown)
+        try:
+            self._wait_healthy(startup_timeout)
+            self.endpoint = RuntimeEndpoint(self.url, self.api_key,
+                                            tokenizer_path=server_args.get("tokenizer_path"))
+        except BaseException:
+            self.shutdown()
+            raise
+        logger.info("radixlm server ready at %s (log: %s)", self.url, self.log_path)
+
+    def _wait_healthy(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self._proc is None or self._proc.poll() is not None:
+                code = None if self._proc is None else self._proc.returncode
+                raise RuntimeError(f"the server exited with code {code} while starting:\n{self.log_tail()}")
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=2) as response:
+                    if response.status == 200:
+                        return
+            except OSError:
+                pass
+            time.sleep(0.5)
+        raise RuntimeError(f"the server did not become healthy within {timeout:.0f}s:\n{self.log_tail()}")
+
+    def log_tail(self, chars: int = 4000) -> str:
+        """The end of the server's log (kept in a temp file until shutdown)."""
+        self._log.flush()
+        with open(self.log_path, errors="replace") as f:
+            return f.read()[-chars:]
+
+    def shutdown(self) -> None:
+        """Stops the server (SIGTERM, then SIGKILL after a timeout). Safe to call twice."""
+        proc, self._proc = self._proc, None
+        if proc is None:
+            return
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(_STOP_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        self._log.close()
+        with contextlib.suppress(OSError):  # startup failures already quoted its tail
+            os.remove(self.log_path)
+        atexit.unregister(self.shutdown)
+
+    # ---- the backend interface, delegated -------------------------------------------------
+
+    def generate(self, prompt: Prompt, params: SamplingParams) -> Generation:
+        return self.endpoint.generate(prompt, params)
+
+    def generate_stream(self, prompt: Prompt, params: SamplingParams) -> Iterator[tuple[str, dict[str, Any]]]:
+        return self.endpoint.generate_stream(prompt, params)
+
+    def select(self, prompt: Prompt, choices: list[str], temperature: float, method: ChoicesMethod) -> ChoiceDecision:
+        return self.endpoint.select(prompt, choices, temperature, method)
+
+    def cache_prefix(self, text: str) -> None:
+        self.endpoint.cache_prefix(text)
+
+    def get_chat_template(self) -> ChatRenderer:
+        return self.endpoint.get_chat_template()
+
+    def flush_cache(self) -> bool:
+        return self.endpoint.flush_cache()
+
+    def get_server_info(self) -> dict[str, Any]:
+        return self.endpoint.get_server_info()
+
+    def get_model_info(self) -> dict[str, Any]:
+        return self.endpoint.get_model_info()
+
+    def __enter__(self) -> "Runtime":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.shutdown()
+
+
+def _flag(name: str, value: Any) -> list[str]:
+    flag = "--" + name.replace("_", "-")
+    if isinstance(value, bool):
+        return [flag] if value else []
+    return [] if value is None else [flag, str(value)]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -1,0 +1,174 @@
+"""RuntimeEndpoint: the backend for a radixlm (or SGLang) server's native API.
+
+`select` scores every choice in one batched /generate call with `max_new_tokens: 0` and
+prompt logprobs, after a prefill-only call has put the prompt in the radix cache, so every
+choice shares the prompt's KV and only its own tokens are computed.
+
+The boundary between prompt and choice: a choice's tokens are those of `tokenize(prompt +
+choice)` after its longest common token prefix with `tokenize(prompt)` (a token that merges
+the prompt's last characters with the choice's first ones is scored as part of the choice).
+With the model's tokenizer on this machine (found from /get_model_info, or `tokenizer_path`)
+the client tokenizes and sends `input_ids`, so the boundary is exact. Without it, the client
+sends text and compares the token ids the server reports for the last `_BOUNDARY_WINDOW` prompt
+tokens with those of each prompt+choice — the same rule, exact unless a choice changes the
+tokenization of the prompt further back than that window (BPE pre-tokenization keeps such
+changes to the last word).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any, Iterator
+
+from radixlm.backend import Backend, BackendError, Generation, Prompt
+from radixlm.chat_template import ChatRenderer
+from radixlm.choices import ChoiceDecision, ChoicesMethod, TokenLogprobs
+from radixlm.http_client import DEFAULT_TIMEOUT_S, HttpClient
+from radixlm.sampling import SamplingParams
+from radixlm.tokenizer import ClientTokenizer, load_client_tokenizer
+
+logger = logging.getLogger(__name__)
+
+_BOUNDARY_WINDOW = 16
+_PREFILL_ONLY = {"max_new_tokens": 0}
+
+
+class RuntimeEndpoint(Backend):
+    """A running server at `base_url` (checked now through /get_model_info)."""
+
+    def __init__(self, base_url: str, api_key: str | None = None, *, tokenizer_path: str | None = None,
+                 timeout: float = DEFAULT_TIMEOUT_S):
+        self.base_url = base_url.rstrip("/")
+        self._http = HttpClient(self.base_url, api_key, timeout)
+        self.model_info: dict[str, Any] = self._http.get("/get_model_info")
+        self._tokenizer_path = tokenizer_path or self.model_info.get("tokenizer_path")
+        self._tokenizer: ClientTokenizer | None = None
+        self._tokenizer_error: Exception | None = None
+        self._tokenizer_lock = threading.Lock()
+
+    # ---- information and cache -------------------------------------------------------------
+
+    def get_model_info(self) -> dict[str, Any]:
+        return dict(self.model_info)
+
+    def get_server_info(self) -> dict[str, Any]:
+        return self._http.get("/get_server_info")
+
+    def flush_cache(self) -> bool:
+        self._http.post_text("/flush_cache")
+        return True
+
+    def cache_prefix(self, text: str) -> None:
+        if text:
+            self._http.post("/generate", {"text": text, "sampling_params": _PREFILL_ONLY})
+
+    # ---- tokenizer and chat template -------------------------------------------------------
+
+    def tokenizer(self) -> ClientTokenizer | None:
+        """The model's tokenizer loaded on this machine, or None when it is not available here."""
+        with self._tokenizer_lock:
+            if self._tokenizer is None and self._tokenizer_error is None:
+                try:
+                    self._tokenizer = load_client_tokenizer(self.model_info.get("model_path"), self._tokenizer_path)
+                except Exception as e:  # not on this machine, offline hub id, ...
+                    logger.info("no local tokenizer for %s: %s", self.base_url, e)
+                    self._tokenizer_error = e
+            return self._tokenizer
+
+    def get_chat_template(self) -> ChatRenderer:
+        tok = self.tokenizer()
+        if tok is None:
+            raise BackendError(f"roles need the model's chat template, but its tokenizer is not available on this "
+                               f"machine ({self._tokenizer_error}); pass RuntimeEndpoint(..., tokenizer_path=...)")
+        if not tok.has_chat_template:
+            raise BackendError("roles need a chat template, and this model's tokenizer has none")
+        return ChatRenderer(tok.apply_chat_template, name=f"chat template of {self.model_info.get('model_path')}")
+
+    # ---- generation ------------------------------------------------------------------------
+
+    def generate(self, prompt: Prompt, params: SamplingParams) -> Generation:
+        out = self._http.post("/generate", self._body(prompt, params))
+        results = out if isinstance(out, list) else [out]
+        return Generation([r["text"] for r in results], [r["meta_info"] for r in results])
+
+    def generate_stream(self, prompt: Prompt, params: SamplingParams) -> Iterator[tuple[str, dict[str, Any]]]:
+        sent = 0
+        for event in self._http.post_sse("/generate", {**self._body(prompt, params), "stream": True}):
+            text = event.get("text", "")
+            yield text[sent:], event.get("meta_info", {})
+            sent = len(text)
+
+    @staticmethod
+    def _body(prompt: Prompt, params: SamplingParams) -> dict[str, Any]:
+        return {"text": prompt.text, "sampling_params": params.wire_sampling(), **params.wire_logprob()}
+
+    # ---- select ----------------------------------------------------------------------------
+
+    def select(self, prompt: Prompt, choices: list[str], temperature: float, method: ChoicesMethod) -> ChoiceDecision:
+        if not prompt.text:
+            raise ValueError("select: needs some text before it to score the choices after")
+        tok = self.tokenizer()
+        if tok is not None:
+            logprobs, choice_ids = self._score_with_ids(tok, prompt.text, choices)
+        else:
+            logprobs, choice_ids = self._score_with_text(prompt.text, choices)
+        unconditional = self._unconditional(choice_ids) if method.requires_unconditional_logprobs else None
+        return method(choices, logprobs, unconditional, temperature)
+
+    def _score_with_ids(self, tok: ClientTokenizer, text: str,
+                        choices: list[str]) -> tuple[list[TokenLogprobs], list[list[int]]]:
+        prompt_ids = tok.encode(text)
+        seqs = [tok.encode(text + c) for c in choices]
+        # Position 0 has no logprob, and every choice keeps at least one token.
+        starts = [max(1, min(_common_prefix_len(prompt_ids, s), len(s) - 1)) for s in seqs]
+        self._http.post("/generate", {"input_ids": prompt_ids, "sampling_params": _PREFILL_ONLY})
+        first = min(starts)
+        results = self._prefill_batch({"input_ids": seqs}, first)
+        logprobs = []
+        for seq, start, result in zip(seqs, starts, results):
+            entries = result["meta_info"]["input_token_logprobs"]
+            if len(entries) != len(seq) - first:
+                raise BackendError(f"select: the server returned {len(entries)} prompt logprobs, "
+                                   f"expected {len(seq) - first}")
+            logprobs.append([(lp, tid) for lp, tid, *_ in entries[start - first:]])
+        return logprobs, [seq[start:] for seq, start in zip(seqs, starts)]
+
+    def _score_with_text(self, text: str, choices: list[str]) -> tuple[list[TokenLogprobs], list[list[int]]]:
+        warm = self._http.post("/generate", {"text": text, "sampling_params": _PREFILL_ONLY})
+        first = max(1, warm["meta_info"]["prompt_tokens"] - _BOUNDARY_WINDOW)
+        results = self._prefill_batch({"text": [text] + [text + c for c in choices]}, first)
+        window = [tid for _, tid, *_ in results[0]["meta_info"]["input_token_logprobs"]]
+        logprobs, choice_ids = [], []
+        for result in results[1:]:
+            entries = result["meta_info"]["input_token_logprobs"]
+            ids = [tid for _, tid, *_ in entries]
+            k = min(_common_prefix_len(window, ids), len(ids) - 1)
+            logprobs.append([(lp, tid) for lp, tid, *_ in entries[k:]])
+            choice_ids.append(ids[k:])
+        return logprobs, choice_ids
+
+    def _unconditional(self, choice_ids: list[list[int]]) -> list[TokenLogprobs]:
+        """Each choice's tokens scored alone; the first has no context, so it counts 0."""
+        results = self._prefill_batch({"input_ids": choice_ids}, 0)
+        out = []
+        for result in results:
+            entries = result["meta_info"]["input_token_logprobs"]
+            out.append([(0.0 if lp is None else lp, tid) for lp, tid, *_ in entries])
+        return out
+
+    def _prefill_batch(self, prompts: dict[str, Any], logprob_start_len: int) -> list[dict[str, Any]]:
+        count = len(next(iter(prompts.values())))
+        out = self._http.post("/generate", {**prompts, "sampling_params": _PREFILL_ONLY, "return_logprob": True,
+                                            "logprob_start_len": logprob_start_len})
+        results = out if isinstance(out, list) else [out]
+        if len(results) != count:
+            raise BackendError(f"select: the server answered {len(results)} results for {count} prompts")
+        return results
+
+
+def _common_prefix_len(a: list[int], b: list[int]) -> int:
+    n = 0
+    while n < len(a) and n < len(b) and a[n] == b[n]:
+        n += 1
+    return n
