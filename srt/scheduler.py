@@ -102,18 +102,22 @@ class Scheduler:
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self.chunked)
+        return bool(self.waiting or self.chunked or any(not r.finished for r in self.running))
 
     @torch.inference_mode()
     def step(self) -> list[Req]:
         """Runs one forward; returns the requests that produced a token or finished in it."""
-        self.running = [r for r in self.running if not r.finished]
+        self.running = [r for r in self.running if not r.finished]  # aborted since the last step
         plans = self._plan_extend()
         if plans:
-            return self._run_extend(plans)
-        if self.running:
-            return self._run_decode()
-        return []
+            stepped = self._run_extend(plans)
+        elif self.running:
+            stepped = self._run_decode()
+        else:
+            stepped = []
+        # Finished requests leave at once, so has_work is exact between steps (flush_cache).
+        self.running = [r for r in self.running if not r.finished]
+        return stepped
 
     # ---- extend ----------------------------------------------------------------------------
 
