@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from radixlm.radix import RadixCache
+from radixlm.radix import RadixCache, common_prefix_len
 from radixlm.srt.batch_builder import ExtendPlan, build_decode_batch, build_extend_batch
 from radixlm.srt.finish import check_finished
 from radixlm.srt.logprobs import record_input_logprobs, record_output_logprob
@@ -26,6 +26,8 @@ from radixlm.srt.server_args import ServerArgs
 logger = logging.getLogger(__name__)
 
 LPM_MAX_QUEUE = 256
+# A waiting request sharing this many uncached tokens with one being prefilled waits a step.
+IN_BATCH_PREFIX_MIN = 32
 # Admission keeps room for running requests to decode `ratio * remaining tokens` more. The ratio
 # starts cautious, decays while decoding goes fine, and jumps back up after a retraction.
 INIT_NEW_TOKEN_RATIO = 0.7
@@ -129,6 +131,8 @@ class Scheduler:
             newly_admitted = req is not chunked
             if budget <= 0 or (newly_admitted and len(self.running) + len(plans) >= self.args.max_running_requests):
                 break
+            if newly_admitted and self._shares_uncached_prefix(req, plans):
+                continue  # next step its prefix comes from the cache instead of being recomputed
             if newly_admitted and not self._admit(req):
                 break
             extend_len = min(req.seq_len - req.kv_len, budget)
@@ -145,6 +149,17 @@ class Scheduler:
             plans.append(self._extend_plan(req, extend_len, slots))
             budget -= extend_len
         return plans
+
+    def _shares_uncached_prefix(self, req: Req, plans: list[ExtendPlan]) -> bool:
+        """Whether a request already in this batch computes a long stretch of `req`'s prompt
+        that the tree does not hold yet (e.g. a few-shot prefix sent by many requests at once)."""
+        if self.tree.disable or not plans:
+            return False
+        cached = self.tree.cached_prefix_len(req.fill_ids[:-1], req.namespace)
+        fill = req.fill_ids
+        shared = max((common_prefix_len(p.req.fill_ids, fill) for p in plans if p.req.namespace == req.namespace),
+                     default=0)
+        return shared - cached >= IN_BATCH_PREFIX_MIN
 
     def _decode_reserve(self, plans: list[ExtendPlan]) -> int:
         """KV to keep free for the tokens that running (and just admitted) requests will decode."""
@@ -224,6 +239,9 @@ class Scheduler:
                 req.finish_reason = FinishReason("length")
                 self._release(req)
             else:
+                # Share the prompt now, not at the end: requests arriving while this one
+                # decodes (other samples, other questions on the same few-shot prefix) hit it.
+                self._cache_unfinished(req)
                 done_prefill.append((req, rows[-1]))
         out = [p.req for p in plans]
         if done_prefill:
@@ -285,7 +303,8 @@ class Scheduler:
     # ---- KV ownership --------------------------------------------------------------------------
 
     def _cache_unfinished(self, req: Req) -> None:
-        """Inserts a partly prefilled prompt into the tree so its finished chunks are shared."""
+        """Inserts a running request's computed tokens into the tree and locks them, so they
+        are shared before it finishes; its table row then points at the tree's slots."""
         row = req.req_pool_idx
         key = req.fill_ids[:req.kv_len]
         slots = self.req_pool.table[row, :req.kv_len].tolist()

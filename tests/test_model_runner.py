@@ -102,3 +102,15 @@ def test_page_size_greedy_matches(page_size, default_model):
         assert paged.scheduler.kv_stats()["leaked"] == 0
     finally:
         paged.shutdown()
+
+
+def test_shared_prefix_in_one_batch_is_computed_once(engine):
+    """Requests arriving together with a common uncached prefix: one computes it, the others
+    wait a step and read it from the cache."""
+    engine.flush_cache()
+    prefix = "Background: " + " ".join(f"fact number {i} is true." for i in range(40))
+    prompts = [prefix + f" Question {q}: is fact {q} true?" for q in range(4)]
+    outs = engine.generate(prompts, {"temperature": 0, "max_new_tokens": 2})
+    prefix_len = len(engine.tokenizer.encode(prefix, add_special_tokens=False))
+    cached = sorted(o["meta_info"]["cached_tokens"] for o in outs)
+    assert cached[0] == 0 and all(c >= prefix_len - 2 for c in cached[1:])
