@@ -69,7 +69,7 @@ class Scheduler:
         self.waiting.append(req)
 
     def abort(self, rid: str) -> Req | None:
-        """Ends a request now; its KV is released before the next step runs."""
+        """Ends a request now: its KV is released and it leaves the queues at once."""
         for req in list(self.waiting):
             if req.rid == rid:
                 self.waiting.remove(req)
@@ -79,6 +79,9 @@ class Scheduler:
             if req.rid == rid and not req.finished:
                 req.finish_reason = FinishReason("abort")
                 self._release(req)
+                self.running = [r for r in self.running if r is not req]
+                if self.chunked is req:
+                    self.chunked = None
                 return req
         return None
 

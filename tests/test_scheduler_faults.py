@@ -38,3 +38,14 @@ def test_failed_forward_aborts_in_flight_requests_without_leaks(engine, monkeypa
     monkeypatch.undo()
     out = engine.generate("The capital of France is", {"temperature": 0, "max_new_tokens": 3})
     assert out["text"].startswith(" Paris")
+
+
+def test_abort_of_the_last_running_request_leaves_the_scheduler_idle(engine):
+    sched = engine.scheduler
+    ids = engine.tokenizer.encode("Abort me after one token", add_special_tokens=False)
+    req = Req(rid="abort-last", origin_input_ids=ids, sampling_params=SamplingParams(max_new_tokens=50))
+    sched.add_request(req)
+    sched.step()  # prefill: the request is now running
+    assert sched.abort("abort-last") is req and req.finish_reason.type == "abort"
+    assert not sched.has_work and sched.server_info()["num_running_reqs"] == 0
+    assert sched.kv_stats()["leaked"] == 0
