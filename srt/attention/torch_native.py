@@ -70,10 +70,17 @@ class TorchNativeBackend(AttentionBackend):
             if slots is None:  # nothing cached: the new tokens are the whole sequence
                 ki = k[start:start + extend_len].transpose(0, 1).contiguous()
                 vi = v[start:start + extend_len].transpose(0, 1).contiguous()
-                oi = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=self.scale, enable_gqa=True)
+                oi = _sdpa(qi, ki, vi, is_causal=True, scale=self.scale)
             else:
                 ki = k_buf.index_select(1, slots).to(q.dtype)  # [Hkv, seq_len, D]
                 vi = v_buf.index_select(1, slots).to(q.dtype)
-                oi = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=self.scale, enable_gqa=True)
+                oi = _sdpa(qi, ki, vi, attn_mask=mask, scale=self.scale)
             outs.append(oi.transpose(0, 1).reshape(extend_len, -1))
         return torch.cat(outs) if len(outs) > 1 else outs[0]
+
+
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs) -> torch.Tensor:
+    """SDPA for one request's [heads, tokens, head_dim] tensors. A leading batch axis matters:
+    on CPU, 3-D inputs take the slow math kernel and 4-D ones the flash kernel (3-5x faster)."""
+    return F.scaled_dot_product_attention(q[None], k[None], v[None], enable_gqa=True, **kwargs)[0]
+
