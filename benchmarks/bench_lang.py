@@ -414,10 +414,16 @@ def main(argv: list[str]) -> int:
         with open(args.out, "a") as f:
             f.write(json.dumps(header) + "\n")
     benches = BENCHES if args.bench == "all" else (args.bench,)
-    if "lang-overhead" in benches:  # first: few-shot-select stops its server before the HF baseline
-        with_server(args, bench_lang_overhead)
-    if "few-shot-select" in benches:
-        with_server(args, bench_few_shot_select)
+    try:
+        if "lang-overhead" in benches:  # first: few-shot-select stops its server before the HF baseline
+            with_server(args, bench_lang_overhead)
+        if "few-shot-select" in benches:
+            with_server(args, bench_few_shot_select)
+    except BaseException as e:  # the file says the run above has no summary, and why
+        if args.out:
+            with open(args.out, "a") as f:
+                f.write(json.dumps({"bench": "lang", "aborted": f"{type(e).__name__}: {e}"}) + "\n")
+        raise
     return 0
 
 

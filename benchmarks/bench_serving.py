@@ -316,21 +316,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--request-rate", type=float, default=math.inf, help="Poisson req/s; inf = all at once")
     p.add_argument("--max-concurrency", type=int, default=None, help="cap on requests in flight")
     p.add_argument("--dataset", choices=["random", "shared-prefix", "multi-turn"], default="random")
-    p.add_argument("--num-prompts", type=int, default=16)
-    p.add_argument("--random-input-len", type=int, default=128)
-    p.add_argument("--random-output-len", type=int, default=64)
+    int_flags = (("num-prompts", 16), ("random-input-len", 128), ("random-output-len", 64), ("sp-groups", 8),
+                 ("sp-prompts-per-group", 8), ("sp-prefix-len", 1024), ("sp-suffix-len", 32), ("sp-output-len", 32),
+                 ("mt-conversations", 4), ("mt-turns", 4), ("mt-first-len", 256), ("mt-user-len", 32),
+                 ("mt-output-len", 32))
+    for name, default in int_flags:  # dataset shapes: random-*, sp-* (shared-prefix), mt-* (multi-turn)
+        p.add_argument(f"--{name}", type=int, default=default)
     p.add_argument("--random-range-ratio", type=float, default=0.0, help="input len uniform in L*(1 -/+ r)")
     p.add_argument("--random-output-range-ratio", type=float, default=0.0)
-    p.add_argument("--sp-groups", type=int, default=8)
-    p.add_argument("--sp-prompts-per-group", type=int, default=8)
-    p.add_argument("--sp-prefix-len", type=int, default=1024)
-    p.add_argument("--sp-suffix-len", type=int, default=32)
-    p.add_argument("--sp-output-len", type=int, default=32)
-    p.add_argument("--mt-conversations", type=int, default=4)
-    p.add_argument("--mt-turns", type=int, default=4)
-    p.add_argument("--mt-first-len", type=int, default=256)
-    p.add_argument("--mt-user-len", type=int, default=32)
-    p.add_argument("--mt-output-len", type=int, default=32)
     p.add_argument("--num-runs", type=int, default=1, help="timed runs per system (cache flushed before each)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request")
@@ -359,6 +352,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         parser.error("--max-concurrency: must be >= 1")
     if args.request_rate <= 0:
         parser.error("--request-rate: must be > 0")
+    if args.num_runs < 1:
+        parser.error("--num-runs: must be >= 1")
     return args
 
 
