@@ -145,20 +145,23 @@ class RadixCache:
             return key
         return list(key[:n])
 
-    def match_prefix(self, key: Sequence[int], namespace: Hashable = None) -> MatchResult:
+    def match_prefix(self, key: Sequence[int], namespace: Hashable = None, *,
+                     record_stats: bool = True) -> MatchResult:
         """Longest cached page-aligned prefix of `key` in `namespace`.
 
         Splits the last node when the match ends inside it (so the returned node covers
         exactly the match) and marks the matched path as used now (LRU).
         """
-        self._queried_tokens += len(key)
+        if record_stats:  # False for the cache's own bookkeeping (re-matching what was just inserted)
+            self._queried_tokens += len(key)
         root = self._roots.get(namespace)
         if self.disable or root is None:
             return MatchResult([], root if root is not None else self._root)
         key = self._aligned(key)
         self._clock += 1
         node, pos = self._walk(root, key, self._clock)
-        self._hit_tokens += pos
+        if record_stats:
+            self._hit_tokens += pos
         values: list[list[int]] = []
         tail = node
         while tail.parent is not None:

@@ -313,7 +313,7 @@ class Scheduler:
         slots = self.req_pool.table[row, :req.kv_len].tolist()
         already = self.tree.insert(key, slots, namespace=req.namespace)
         self.allocator.free(slots[req.cached_len:already])
-        match = self.tree.match_prefix(key, namespace=req.namespace)
+        match = self.tree.match_prefix(key, namespace=req.namespace, record_stats=False)
         self.tree.unlock(req.last_node)
         self.tree.lock(match.node)
         req.last_node = match.node

@@ -114,3 +114,14 @@ def test_shared_prefix_in_one_batch_is_computed_once(engine):
     prefix_len = len(engine.tokenizer.encode(prefix, add_special_tokens=False))
     cached = sorted(o["meta_info"]["cached_tokens"] for o in outs)
     assert cached[0] == 0 and all(c >= prefix_len - 2 for c in cached[1:])
+
+
+def test_cache_hit_statistics_count_only_admissions(engine):
+    """Sharing a prompt at prefill must not count as a cache query: the hit rate is what
+    requests really found in the cache."""
+    engine.flush_cache()
+    engine.scheduler.tree.reset_stats()
+    ids = engine.tokenizer.encode("A prompt nobody has sent before, about otters.", add_special_tokens=False)
+    engine.generate(input_ids=ids, sampling_params={"max_new_tokens": 2})
+    stats = engine.scheduler.tree.stats
+    assert stats["hit_tokens"] == 0 and stats["queried_tokens"] == len(ids) - 1
