@@ -39,7 +39,7 @@ import httpx
 import lang_workloads as wl
 import radixlm as sgl
 from radixlm.function import _thread_count  # what run_batch's num_threads="auto" resolves to
-from serving_server import ManagedServer, measure_noise, raise_on_sigterm, wait_until_quiet
+from serving_server import ManagedServer, emit, measure_noise, raise_on_sigterm, wait_until_quiet
 
 logger = logging.getLogger("bench.lang")
 
@@ -51,14 +51,6 @@ FEW_SHOT_PREFIX = wl.few_shot_prefix()
 
 
 # ---- common ------------------------------------------------------------------------------------
-
-def emit(line: dict[str, Any], args: argparse.Namespace) -> None:
-    text = json.dumps(line)
-    print(text, flush=True)
-    if args.out:
-        with open(args.out, "a") as f:
-            f.write(text + "\n")
-
 
 def load_now() -> dict[str, Any]:
     load1 = round(os.getloadavg()[0], 2)

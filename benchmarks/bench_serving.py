@@ -36,7 +36,7 @@ from urllib.parse import urlparse
 import httpx
 
 import serving_datasets as ds
-from serving_server import ManagedServer, measure_noise, raise_on_sigterm, wait_until_quiet
+from serving_server import ManagedServer, emit, measure_noise, raise_on_sigterm, wait_until_quiet
 
 logger = logging.getLogger("bench.serving")
 
@@ -294,14 +294,6 @@ def with_server(server_args: list[str], args: argparse.Namespace, fn):
         return fn(server.base_url, server.proc.pid)
     finally:
         server.stop()
-
-
-def emit(line: dict[str, Any], args: argparse.Namespace) -> None:
-    text = json.dumps(line)
-    print(text, flush=True)
-    if args.out:
-        with open(args.out, "a") as f:
-            f.write(text + "\n")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -8,6 +8,7 @@ benchmark and its server used during the run (from /proc; Linux only).
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shlex
@@ -16,6 +17,8 @@ import socket
 import subprocess
 import sys
 import time
+
+from typing import Any
 
 import httpx
 
@@ -122,3 +125,13 @@ def wait_until_quiet(max_wait_s: float, pgid: int | None, threshold: float, wind
         if time.monotonic() >= next_log:
             logger.info("others use %.0f%% of the cores; waiting for a quiet machine", 100 * share)
             next_log = time.monotonic() + 60
+
+
+def emit(line: dict[str, Any], args: Any) -> None:
+    """Prints a result line and appends it to `args.out` when set."""
+    text = json.dumps(line)
+    print(text, flush=True)
+    if args.out:
+        with open(args.out, "a") as f:
+            f.write(text + "\n")
+

@@ -10,6 +10,7 @@ from typing import Any
 
 from radixlm.srt.finish import output_text
 from radixlm.srt.input_validation import prompt_token_ids
+from radixlm.srt.logprobs import logprob_meta
 from radixlm.srt.request import LogprobOptions, Req
 from radixlm.srt.sampler import make_generator
 from radixlm.srt.sampling_params import SamplingParams
@@ -96,13 +97,9 @@ class Engine:
             "e2e_latency": latency,
         }
         if req.logprob.return_logprob:
-            decode = (lambda t: self.tokenizer.decode([t])) if with_text else (lambda t: None)
-            meta["input_token_logprobs"] = [(lp, t, decode(t)) for lp, t in req.input_token_logprobs]
-            meta["output_token_logprobs"] = [(lp, t, decode(t)) for lp, t in req.output_token_logprobs]
-            if req.logprob.top_logprobs_num:
-                meta["input_top_logprobs"] = [None if top is None else [(lp, t, decode(t)) for lp, t in top]
-                                              for top in req.input_top_logprobs]
-                meta["output_top_logprobs"] = [[(lp, t, decode(t)) for lp, t in top] for top in req.output_top_logprobs]
+            meta.update(logprob_meta(self.tokenizer, with_text, req.logprob.top_logprobs_num,
+                                     req.input_token_logprobs, req.input_top_logprobs,
+                                     req.output_token_logprobs, req.output_top_logprobs))
         return {"text": output_text(req, self.tokenizer), "output_ids": list(req.output_ids), "meta_info": meta}
 
     def flush_cache(self) -> bool:

@@ -174,6 +174,10 @@ class _OpenAIServing:
                                       "model", status=404, code="model_not_found"))
         return _json(self._model_card())
 
+    def _envelope(self, id_prefix: str, kind: str) -> dict[str, Any]:
+        return {"id": f"{id_prefix}-{uuid.uuid4().hex}", "object": kind, "created": int(time.time()),
+                "model": self._model, "system_fingerprint": None}
+
     # ---- completions ---------------------------------------------------------------------------
 
     async def completions(self, request: Request) -> Response:
@@ -183,8 +187,7 @@ class _OpenAIServing:
             job = self._completion_job(body)
         except OpenAIError as e:
             return _error(e)
-        envelope = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
-                    "model": self._model, "system_fingerprint": None}
+        envelope = self._envelope("cmpl", "text_completion")
         if body.stream:
             return _EventStream(self._stream_completion(job, body, envelope))
         finals = await self._run_to_end(job, request)
@@ -266,8 +269,7 @@ class _OpenAIServing:
             job = self._chat_job(body)
         except OpenAIError as e:
             return _error(e)
-        envelope = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
-                    "model": self._model, "system_fingerprint": None}
+        envelope = self._envelope("chatcmpl", "chat.completion")
         if body.stream:
             envelope["object"] = "chat.completion.chunk"
             return _EventStream(self._stream_chat(job, body, envelope))

@@ -18,6 +18,7 @@ from radixlm.srt import io_struct
 from radixlm.srt.input_validation import prompt_token_ids
 from radixlm.srt.io_struct import (AbortReq, BatchTextOut, ControlReply, ControlReq, ReqTextOutput,
                                    TokenizedGenerateReq)
+from radixlm.srt.logprobs import logprob_meta
 from radixlm.srt.metrics import Metrics
 from radixlm.srt.sampling_params import SamplingParams
 
@@ -225,13 +226,9 @@ class TokenizerManager:
             "e2e_latency": time.perf_counter() - state.created,
         }
         if req.return_logprob:
-            text = (lambda t: self.tokenizer.decode([t])) if req.return_text_in_logprobs else (lambda t: None)
-            pairs = lambda items: [[lp, t, text(t)] for lp, t in items]
-            meta["input_token_logprobs"] = pairs(state.input_token_logprobs)
-            meta["output_token_logprobs"] = pairs(state.output_token_logprobs)
-            if req.top_logprobs_num:
-                meta["input_top_logprobs"] = [None if top is None else pairs(top) for top in state.input_top_logprobs]
-                meta["output_top_logprobs"] = [pairs(top) for top in state.output_top_logprobs]
+            meta.update(logprob_meta(self.tokenizer, req.return_text_in_logprobs, req.top_logprobs_num,
+                                     state.input_token_logprobs, state.input_top_logprobs,
+                                     state.output_token_logprobs, state.output_top_logprobs))
         return {"text": state.text, "output_ids": list(state.output_ids), "meta_info": meta}
 
 
