@@ -34,7 +34,8 @@ def apply_penalties(logits: torch.Tensor, reqs: Sequence[SamplingRequest], eos_i
             seen = torch.tensor(sorted(set(req.origin_input_ids) | set(req.output_ids)), device=logits.device)
             scores = logits[row, seen]
             logits[row, seen] = torch.where(scores > 0, scores / sp.repetition_penalty, scores * sp.repetition_penalty)
-        if len(req.output_ids) < sp.min_new_tokens:
+        # A grammar decides for itself when the output may end.
+        if len(req.output_ids) < sp.min_new_tokens and getattr(req, "grammar", None) is None:
             blocked = list(sp.stop_token_ids) + ([] if sp.ignore_eos else list(eos_ids))
             if blocked:
                 logits[row, blocked] = float("-inf")
