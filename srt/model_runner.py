@@ -13,6 +13,7 @@ from radixlm.srt.configs import ModelConfig
 from radixlm.srt.forward_batch import ForwardBatch
 from radixlm.srt.mem_pool import KVPool
 from radixlm.srt.models.llama import LlamaForCausalLM
+from radixlm.srt.models.ops import select_ops
 from radixlm.srt.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
@@ -29,31 +30,69 @@ class ModelRunner:
         self.config: ModelConfig = loaded.config
         start = time.perf_counter()
         torch.manual_seed(args.random_seed)
+        cfg = self.config
+        self.ops = select_ops(self.device, cfg.head_dim)
         with torch.device(self.device):
-            self.model = LlamaForCausalLM(self.config, loaded.hf_config)
+            self.model = LlamaForCausalLM(cfg, loaded.hf_config, self.ops)
         self.model.load_weights(loaded.weights)
         self.model.to(self.dtype).eval()
-        cfg = self.config
         self.kv_pool = KVPool(num_kv_slots, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self.dtype, self.device)
+        self.attention_backend = resolve_attention_backend(args.attention_backend, self.device, self.dtype)
         self.attn_backend = self._make_backend(req_to_token)
-        logger.info("model ready on %s (%s) in %.1fs, %d KV slots", self.device, self.dtype,
-                    time.perf_counter() - start, num_kv_slots)
+        self.graph_runner = self._make_graph_runner(req_to_token)
+        logger.info("model ready on %s (%s, %s attention, %s ops, CUDA graphs %s) in %.1fs, %d KV slots",
+                    self.device, self.dtype, self.attention_backend, self.ops.name,
+                    "on" if self.graph_runner else "off", time.perf_counter() - start, num_kv_slots)
 
     def _make_backend(self, req_to_token: torch.Tensor) -> AttentionBackend:
-        name = self.args.attention_backend
-        if name == "auto":
-            name = "torch_native"
-        if name == "torch_native":
+        scale = 1.0 / math.sqrt(self.config.head_dim)
+        if self.attention_backend == "torch_native":
             from radixlm.srt.attention.torch_native import TorchNativeBackend
 
-            return TorchNativeBackend(self.kv_pool, req_to_token, 1.0 / math.sqrt(self.config.head_dim))
-        raise ValueError(f"attention_backend: {name!r} is not available in this build")
+            return TorchNativeBackend(self.kv_pool, req_to_token, scale)
+        from radixlm.srt.attention.flashinfer_backend import FlashInferBackend
+
+        cfg = self.config
+        return FlashInferBackend(self.kv_pool, req_to_token, self.args.page_size, cfg.num_heads, cfg.num_kv_heads,
+                                 cfg.head_dim, scale, self.dtype)
+
+    def _make_graph_runner(self, req_to_token: torch.Tensor):
+        if self.args.disable_cuda_graph or self.attention_backend != "flashinfer":
+            return None
+        from radixlm.srt.cuda_graph_runner import CudaGraphRunner
+
+        max_bs = min(self.args.cuda_graph_max_bs, self.args.max_running_requests)
+        max_pages_per_req = -(-req_to_token.shape[1] // self.args.page_size)
+        with torch.inference_mode():
+            return CudaGraphRunner(self.model, self.attn_backend, max_bs, max_pages_per_req)
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Float32 logits for `batch.logit_rows`: [len(logit_rows), vocab]."""
+        if self.graph_runner is not None and self.graph_runner.can_run(batch):
+            return self.graph_runner.replay(batch)
         self.attn_backend.plan(batch)
         return self.model(batch.input_ids, batch.positions, self.attn_backend, batch.logit_rows)
+
+
+def resolve_attention_backend(name: str, device: torch.device, dtype: torch.dtype) -> str:
+    """`auto` is flashinfer on CUDA in fp16/bf16 when it is installed, else torch_native."""
+    if name == "flashinfer":
+        if device.type != "cuda":
+            raise ValueError("attention_backend: flashinfer needs a CUDA device")
+        if dtype not in (torch.float16, torch.bfloat16):
+            raise ValueError("attention_backend: flashinfer needs dtype float16 or bfloat16")
+        return name
+    if name != "auto":
+        return name
+    if device.type != "cuda" or dtype not in (torch.float16, torch.bfloat16):
+        return "torch_native"
+    try:
+        import flashinfer  # noqa: F401
+    except ImportError:
+        logger.warning("flashinfer is not installed; using torch_native attention (pip install 'radixlm[gpu]')")
+        return "torch_native"
+    return "flashinfer"
 
 
 def kv_slots_for(config: ModelConfig, args: ServerArgs) -> int:
@@ -64,7 +103,19 @@ def kv_slots_for(config: ModelConfig, args: ServerArgs) -> int:
         return args.max_total_tokens
     if args.resolved_device() == "cpu":
         return CPU_DEFAULT_KV_TOKENS
-    free, _total = torch.cuda.mem_get_info()
-    bytes_per_token = KVPool.bytes_per_token(config.num_layers, config.num_kv_heads, config.head_dim,
-                                             args.resolved_dtype())
-    return int(free * 0.85 // bytes_per_token)
+    dtype = args.resolved_dtype()
+    free, total = torch.cuda.mem_get_info()
+    # Called before the runner builds its copy of the weights (the loaded ones are freed after).
+    budget = free - (1.0 - args.mem_fraction_static) * total - model_bytes(config, dtype)
+    bytes_per_token = KVPool.bytes_per_token(config.num_layers, config.num_kv_heads, config.head_dim, dtype)
+    if budget < bytes_per_token * 4096:
+        raise ValueError(f"mem_fraction_static: {args.mem_fraction_static} leaves no room for the KV cache "
+                         f"({free / 2**30:.1f} GiB free of {total / 2**30:.1f} GiB)")
+    return int(budget // bytes_per_token)
+
+
+def model_bytes(config: ModelConfig, dtype: torch.dtype) -> int:
+    from radixlm.srt.model_loader import weight_shapes
+
+    numel = sum(math.prod(shape) for shape in weight_shapes(config).values())
+    return numel * torch.finfo(dtype).bits // 8

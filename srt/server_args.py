@@ -22,7 +22,12 @@ class ServerArgs:
     page_size: int = 1
     schedule_policy: str = "lpm"  # lpm | fcfs
     disable_radix_cache: bool = False
-    attention_backend: str = "auto"  # auto | torch_native | flashinfer
+    grammar_compile_timeout: float = 60.0  # seconds; a request whose grammar compiles longer fails alone
+    disable_jump_forward: bool = False  # constrained decoding: no skipping of grammar-forced text
+    attention_backend: str = "auto"  # auto: flashinfer on CUDA (fp16/bf16), else torch_native
+    disable_cuda_graph: bool = False  # decode CUDA graphs need the flashinfer backend
+    cuda_graph_max_bs: int = 256  # largest decode batch replayed from a graph (capped by max_running_requests)
+    mem_fraction_static: float = 0.88  # GPU memory share for weights + KV pool (the rest: activations, graphs)
     random_seed: int = 0
     host: str = "127.0.0.1"
     port: int = 30000
@@ -39,6 +44,12 @@ class ServerArgs:
             raise ValueError("load_format: must be auto, dummy, gguf or safetensors")
         if self.attention_backend not in ("auto", "torch_native", "flashinfer"):
             raise ValueError("attention_backend: must be auto, torch_native or flashinfer")
+        if self.grammar_compile_timeout <= 0:
+            raise ValueError("grammar_compile_timeout: must be > 0")
+        if self.cuda_graph_max_bs < 1:
+            raise ValueError("cuda_graph_max_bs: must be >= 1")
+        if not 0.0 < self.mem_fraction_static < 1.0:
+            raise ValueError("mem_fraction_static: must be between 0 and 1")
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> "ServerArgs":

@@ -6,6 +6,8 @@ from typing import Any
 
 import torch
 
+from radixlm.srt.models.ops import TorchOps
+
 
 def _inv_freq(hf_config: Any, head_dim: int, rope_theta: float, device: torch.device) -> tuple[torch.Tensor, float]:
     """Inverse frequencies and attention scaling for the configured rope type.
@@ -35,13 +37,7 @@ class RotaryEmbedding(torch.nn.Module):
         self.register_buffer("cos_cache", emb.cos() * scaling, persistent=False)
         self.register_buffer("sin_cache", emb.sin() * scaling, persistent=False)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """q: [T, H, D], k: [T, Hkv, D]; rotated in the same dtype."""
-        cos = self.cos_cache[positions].unsqueeze(1).to(q.dtype)
-        sin = self.sin_cache[positions].unsqueeze(1).to(q.dtype)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                ops: type[TorchOps] = TorchOps) -> tuple[torch.Tensor, torch.Tensor]:
+        """q: [T, H, D], k: [T, Hkv, D]; rotated in the same dtype (in place with Triton ops)."""
+        return ops.rotary(positions, q, k, self.cos_cache, self.sin_cache)

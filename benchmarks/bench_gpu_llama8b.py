@@ -1,0 +1,280 @@
+"""GPU benchmarks on the Llama-3.1-8B shape (bf16, dummy weights), each against a baseline
+measured in the same run. Prints one JSON line per result and appends them to --out.
+
+  decode   batch-1 decode ms/token vs the roofline: weight bytes / HBM bandwidth measured here
+  prefill  8 prompts x 2048 tokens: model FLOP utilisation vs the bf16 GEMM ceiling measured here
+  offline  vLLM's 1000-request workload (input U[512,1536], output U[128,384], ignore_eos,
+           token-id prompts) vs vLLM's 5962 output tok/s; HF `generate` on the first 128
+           requests (and radixlm on the same 128) as the in-run baseline; prefill/decode split
+  ready    Engine construction time (load, graphs) vs vLLM's 136 s
+
+Run on the H200 (see README, "GPU"):
+  python benchmarks/bench_gpu_llama8b.py --suites decode,prefill,offline --out benchmarks/results/gpu_h200.jsonl
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import shlex
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+CONFIG = REPO / "benchmarks/models/llama-3.1-8b/config.json"
+TOKENIZERS = (REPO.parent / "shared/models/llama3-tokenizer-vocab.gguf", REPO / ".whl/llama3-tokenizer")
+VLLM = {"decode_ms_per_token": 4.835, "offline_output_tok_s": 5962.0, "offline_total_tok_s": 29129.0,
+        "ready_s": 136.0}
+
+
+class Reporter:
+    def __init__(self, out: str | None, command: str):
+        self.out, self.command = out, command
+
+    def emit(self, line: dict) -> None:
+        line = {"device": torch.cuda.get_device_name(), **line, "command": self.command}
+        text = json.dumps(line)
+        print(text, flush=True)
+        if self.out:
+            Path(self.out).parent.mkdir(parents=True, exist_ok=True)
+            with open(self.out, "a") as f:
+                f.write(text + "\n")
+
+
+def timed(fn, repeats: int) -> float:
+    """Best wall time of `repeats` calls, GPU work included."""
+    best = float("inf")
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def measure_bandwidth() -> dict:
+    """HBM bandwidth two ways: a read-only reduction over 8 GiB and a device-to-device copy."""
+    x = torch.empty(4 * 2**30, dtype=torch.bfloat16, device="cuda").fill_(1)
+    y = torch.empty_like(x)
+    read_s = timed(lambda: x.sum(dtype=torch.float32), 5)
+    copy_s = timed(lambda: y.copy_(x), 5)
+    nbytes = x.numel() * 2
+    del x, y
+    torch.cuda.empty_cache()
+    return {"read_tb_s": nbytes / read_s / 1e12, "copy_tb_s": 2 * nbytes / copy_s / 1e12}
+
+
+def measure_matmul_tflops() -> float:
+    a = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
+    b = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
+    a @ b
+    seconds = timed(lambda: [a @ b for _ in range(10)], 3) / 10
+    return 2 * 8192**3 / seconds / 1e12
+
+
+def random_prompts(rng: random.Random, lens: list[int]) -> list[list[int]]:
+    # Ordinary (non-special) ids of the Llama-3 vocabulary.
+    return [[rng.randrange(1000, 128000) for _ in range(n)] for n in lens]
+
+
+# ---- suites ------------------------------------------------------------------------------------
+
+
+def bench_decode(engine, rep: Reporter, weight_bytes: int, bw: dict) -> None:
+    rng = random.Random(1)
+    prompt = random_prompts(rng, [128])[0]
+
+    def gen(n):
+        engine.generate(input_ids=prompt, sampling_params={"temperature": 0, "max_new_tokens": n, "ignore_eos": True})
+        engine.flush_cache()
+
+    short, long = 32, 288
+    gen(long)  # warm-up
+    t_short, t_long = timed(lambda: gen(short), 3), timed(lambda: gen(long), 3)
+    # The difference cancels prefill and per-request overhead: pure decode steps.
+    ms = (t_long - t_short) / (long - short) * 1e3
+    best_bw = max(bw["read_tb_s"], bw["copy_tb_s"])
+    roofline_ms = weight_bytes / (best_bw * 1e12) * 1e3
+    rep.emit({"bench": "gpu_decode_bs1", "prompt_tokens": 128, "ms_per_token": round(ms, 3),
+              "tok_s": round(1e3 / ms, 1), "baseline": "roofline weight_bytes/measured_bandwidth",
+              "weight_gb": round(weight_bytes / 1e9, 3), "bandwidth_tb_s": {k: round(v, 3) for k, v in bw.items()},
+              "roofline_ms": round(roofline_ms, 3), "fraction_of_roofline": round(roofline_ms / ms, 3),
+              "goal": ">= 0.9", "vllm_ms_per_token": VLLM["decode_ms_per_token"],
+              "ratio_vs_vllm": round(VLLM["decode_ms_per_token"] / ms, 3)})
+
+
+def bench_prefill(engine, rep: Reporter, config, peak_tflops: float) -> None:
+    rng = random.Random(2)
+    num, length = 8, 2048
+
+    def run():
+        prompts = random_prompts(rng, [length] * num)  # fresh ids: nothing comes from the cache
+        engine.generate(input_ids=prompts, sampling_params={"temperature": 0, "max_new_tokens": 1, "ignore_eos": True})
+        engine.flush_cache()
+
+    run()
+    seconds = timed(run, 3)
+    tokens = num * length
+    linear = 2 * (config.num_layers * _layer_params(config)) * tokens
+    attention = 2 * 2 * config.num_heads * config.head_dim * (length * length / 2) * config.num_layers * num
+    tflops = (linear + attention) / seconds / 1e12
+    rep.emit({"bench": "gpu_prefill", "prompts": num, "prompt_tokens": length, "seconds": round(seconds, 4),
+              "tok_s": round(tokens / seconds), "model_tflops": round(tflops, 1),
+              "baseline": "bf16 GEMM 8192^3 measured in this run", "matmul_tflops": round(peak_tflops, 1),
+              "mfu_vs_measured_gemm": round(tflops / peak_tflops, 3), "goal": ">= 0.6"})
+
+
+def _layer_params(config) -> int:
+    h, kv = config.hidden_size, config.num_kv_heads * config.head_dim
+    q = config.num_heads * config.head_dim
+    return h * (q + 2 * kv) + q * h + 3 * h * config.intermediate_size
+
+
+def offline_workload(seed: int = 0, num: int = 1000):
+    rng = random.Random(seed)
+    in_lens = [rng.randint(512, 1536) for _ in range(num)]
+    out_lens = [rng.randint(128, 384) for _ in range(num)]
+    return random_prompts(rng, in_lens), out_lens
+
+
+def run_hf_baseline(rep: Reporter, prompts, out_lens, num: int = 128) -> float:
+    """HF `generate` (bf16, SDPA) on the first `num` requests in one left-padded batch; the batch
+    runs to the longest output, and only each request's own output tokens count."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.from_pretrained(str(CONFIG.parent))
+    with torch.device("cuda"):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16, attn_implementation="sdpa").eval()
+    prompts, out_lens = prompts[:num], out_lens[:num]
+    width = max(len(p) for p in prompts)
+    ids = torch.zeros((num, width), dtype=torch.long, device="cuda")
+    mask = torch.zeros_like(ids)
+    for row, p in enumerate(prompts):
+        ids[row, width - len(p):] = torch.tensor(p)
+        mask[row, width - len(p):] = 1
+    new = max(out_lens)
+    with torch.inference_mode():
+        model.generate(input_ids=ids[:2, -16:], attention_mask=mask[:2, -16:], max_new_tokens=4, do_sample=False)
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False,
+                       pad_token_id=0)
+        torch.cuda.synchronize()
+        seconds = time.perf_counter() - start
+    useful = sum(out_lens)
+    rep.emit({"bench": "gpu_offline_hf_baseline", "system": "hf_transformers_generate", "requests": num,
+              "seconds": round(seconds, 2), "output_tok_s": round(useful / seconds, 1),
+              "generated_tok_s_incl_padding_rows": round(num * new / seconds, 1)})
+    del model
+    torch.cuda.empty_cache()
+    return useful / seconds
+
+
+class StepTimer:
+    """Wraps the runner's forward to split wall time into extend, decode and everything else."""
+
+    def __init__(self, runner):
+        self.runner, self.inner = runner, runner.forward
+        self.seconds = {"extend": 0.0, "decode": 0.0}
+        self.steps = {"extend": 0, "decode": 0}
+        runner.forward = self
+
+    def __call__(self, batch):
+        start = time.perf_counter()
+        out = self.inner(batch)
+        torch.cuda.synchronize()  # the scheduler syncs right after anyway (sampled ids to host)
+        kind = "decode" if batch.is_decode else "extend"
+        self.seconds[kind] += time.perf_counter() - start
+        self.steps[kind] += 1
+        return out
+
+    def reset(self):
+        self.seconds = {k: 0.0 for k in self.seconds}
+        self.steps = {k: 0 for k in self.steps}
+
+
+def bench_offline(engine, rep: Reporter, prompts, out_lens, hf_tok_s: float | None) -> None:
+    timer = StepTimer(engine.scheduler.runner)
+
+    def run(n):
+        params = [{"temperature": 0, "max_new_tokens": m, "ignore_eos": True} for m in out_lens[:n]]
+        timer.reset()
+        start = time.perf_counter()
+        outs = engine.generate(input_ids=prompts[:n], sampling_params=params)
+        seconds = time.perf_counter() - start
+        engine.flush_cache()
+        assert sum(o["meta_info"]["completion_tokens"] for o in outs) == sum(out_lens[:n])
+        return seconds
+
+    run(16)  # warm-up
+    for n in (128, len(prompts)):
+        seconds = run(n)
+        out_tokens, in_tokens = sum(out_lens[:n]), sum(len(p) for p in prompts[:n])
+        line = {"bench": "gpu_offline", "system": "radixlm_engine", "requests": n, "seconds": round(seconds, 2),
+                "output_tok_s": round(out_tokens / seconds, 1),
+                "total_tok_s": round((out_tokens + in_tokens) / seconds, 1),
+                "split_s": {"extend": round(timer.seconds["extend"], 2), "decode": round(timer.seconds["decode"], 2),
+                            "scheduler_and_sampling": round(seconds - sum(timer.seconds.values()), 2)},
+                "steps": dict(timer.steps)}
+        if hf_tok_s:
+            line.update(baseline="hf_transformers_generate first 128 requests",
+                        ratio_vs_hf=round(out_tokens / seconds / hf_tok_s, 2))
+        if n == len(prompts):
+            line.update(vllm_output_tok_s=VLLM["offline_output_tok_s"],
+                        ratio_vs_vllm=round(out_tokens / seconds / VLLM["offline_output_tok_s"], 3), goal=">= 1.1")
+        rep.emit(line)
+    engine.scheduler.runner.forward = timer.inner
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--suites", default="decode,prefill,offline")
+    parser.add_argument("--out", default=None)
+    parser.add_argument("--tokenizer-path", default=None)
+    parser.add_argument("--num-requests", type=int, default=1000)
+    parser.add_argument("--no-hf", action="store_true", help="skip the HF baseline of the offline suite")
+    parser.add_argument("--max-running-requests", type=int, default=512)
+    parser.add_argument("--cuda-graph-max-bs", type=int, default=256)
+    parser.add_argument("--chunked-prefill-size", type=int, default=16384)
+    parser.add_argument("--page-size", type=int, default=1)
+    parser.add_argument("--disable-cuda-graph", action="store_true")
+    args = parser.parse_args()
+    suites = set(args.suites.split(","))
+    rep = Reporter(args.out, "python " + shlex.join(sys.argv))
+    tokenizer = args.tokenizer_path or next(str(p) for p in TOKENIZERS if p.exists())
+
+    bw = measure_bandwidth()
+    peak = measure_matmul_tflops()
+    prompts, out_lens = offline_workload(num=args.num_requests)
+    hf_tok_s = run_hf_baseline(rep, prompts, out_lens) if "offline" in suites and not args.no_hf else None
+
+    from radixlm.srt import Engine
+    from radixlm.srt.model_runner import model_bytes
+
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    engine = Engine(str(CONFIG), load_format="dummy", tokenizer_path=tokenizer,
+                    max_running_requests=args.max_running_requests, cuda_graph_max_bs=args.cuda_graph_max_bs,
+                    chunked_prefill_size=args.chunked_prefill_size, max_prefill_tokens=args.chunked_prefill_size,
+                    page_size=args.page_size, disable_cuda_graph=args.disable_cuda_graph)
+    ready_s = time.perf_counter() - start
+    config = engine.model_config
+    rep.emit({"bench": "gpu_engine_ready", "seconds": round(ready_s, 1), "baseline": "vllm start to ready",
+              "vllm_seconds": VLLM["ready_s"], "ratio_vs_vllm": round(VLLM["ready_s"] / ready_s, 2),
+              "note": "in-process Engine (dummy weights, CUDA graphs), without interpreter/import time",
+              "kv_tokens": engine.scheduler.allocator.capacity})
+    if "decode" in suites:
+        bench_decode(engine, rep, model_bytes(config, torch.bfloat16), bw)
+    if "prefill" in suites:
+        bench_prefill(engine, rep, config, peak)
+    if "offline" in suites:
+        bench_offline(engine, rep, prompts, out_lens, hf_tok_s)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,118 @@
+"""Triton kernels for the passes torch splits into many small kernels on the GPU.
+
+At batch 1 a decode step is ~30 elementwise launches per layer in plain torch (casts, the
+rotate-half concat, the residual add, the norm); each costs a few microseconds even inside a
+CUDA graph, which is a large share of a ~4 ms step. These kernels do each job in one launch.
+Imported only on CUDA (triton is in the `gpu` extra); the torch versions in `ops.py` are the
+reference they are tested against (TRITON_INTERPRET=1 runs them on CPU).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rmsnorm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, n_cols, x_stride, res_stride, out_stride, eps,
+                    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    x = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        # The sum is rounded to the residual stream's dtype first, as `x + residual` in torch is.
+        x = (x + tl.load(res_ptr + row * res_stride + cols, mask=mask, other=0.0)).to(x.dtype)
+        tl.store(res_ptr + row * res_stride + cols, x, mask=mask)
+    xf = x.to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / n_cols + eps)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * out_stride + cols, (xf * rstd * w).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    out = torch.empty_like(x)
+    _rmsnorm_kernel[(x.shape[0],)](x, x, weight, out, x.shape[1], x.stride(0), x.stride(0), out.stride(0), eps,
+                                   HAS_RESIDUAL=False, BLOCK=triton.next_power_of_2(x.shape[1]))
+    return out
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """residual += x (in place); returns (rms_norm(residual), residual)."""
+    out = torch.empty_like(x)
+    _rmsnorm_kernel[(x.shape[0],)](x, residual, weight, out, x.shape[1], x.stride(0), residual.stride(0),
+                                   out.stride(0), eps, HAS_RESIDUAL=True, BLOCK=triton.next_power_of_2(x.shape[1]))
+    return out, residual
+
+
+@triton.jit
+def _silu_and_mul_kernel(x_ptr, out_ptr, n_cols, x_stride, out_stride, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    gate = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(x_ptr + row * x_stride + n_cols + cols, mask=mask, other=0.0)
+    # Round silu(gate) to the input dtype before the product, as torch's two-step version does.
+    act = (gate / (1.0 + tl.exp(-gate))).to(up.dtype)
+    tl.store(out_ptr + row * out_stride + cols, act * up, mask=mask)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x: [T, 2 * I] (gate | up) -> silu(gate) * up: [T, I]."""
+    n = x.shape[1] // 2
+    out = torch.empty((x.shape[0], n), dtype=x.dtype, device=x.device)
+    block = 1024
+    _silu_and_mul_kernel[(x.shape[0], triton.cdiv(n, block))](x, out, n, x.stride(0), out.stride(0), BLOCK=block)
+    return out
+
+
+@triton.jit
+def _rotary_kernel(x_ptr, pos_ptr, cos_ptr, sin_ptr, x_stride_t, x_stride_h, cache_stride, num_heads,
+                   HALF: tl.constexpr, BLOCK_H: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    pos = tl.load(pos_ptr + t).to(tl.int64)
+    d = tl.arange(0, HALF)
+    # cos/sin caches hold each frequency twice ([f | f]); the first half is enough here.
+    cos = tl.load(cos_ptr + pos * cache_stride + d)
+    sin = tl.load(sin_ptr + pos * cache_stride + d)
+    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    mask = heads[:, None] < num_heads
+    base = x_ptr + t * x_stride_t + heads[:, None] * x_stride_h + d[None, :]
+    x1 = tl.load(base, mask=mask, other=0.0)
+    x2 = tl.load(base + HALF, mask=mask, other=0.0)
+    # Same rounding as torch in the model dtype: cos/sin cast first, each product rounded.
+    c = cos.to(x1.dtype)[None, :]
+    s = sin.to(x1.dtype)[None, :]
+    tl.store(base, ((x1 * c).to(x1.dtype) - (x2 * s).to(x1.dtype)).to(x1.dtype), mask=mask)
+    tl.store(base + HALF, ((x2 * c).to(x1.dtype) + (x1 * s).to(x1.dtype)).to(x1.dtype), mask=mask)
+
+
+def rotary_inplace(positions: torch.Tensor, x: torch.Tensor, cos_cache: torch.Tensor, sin_cache: torch.Tensor) -> None:
+    """Rotates x: [T, H, D] (any token/head strides, unit feature stride) in place."""
+    num_tokens, num_heads, head_dim = x.shape
+    block_h = min(triton.next_power_of_2(num_heads), 16)
+    _rotary_kernel[(num_tokens, triton.cdiv(num_heads, block_h))](
+        x, positions, cos_cache, sin_cache, x.stride(0), x.stride(1), cos_cache.stride(0), num_heads,
+        HALF=head_dim // 2, BLOCK_H=block_h)
+
+
+@triton.jit
+def _store_kv_kernel(k_ptr, v_ptr, slot_ptr, k_buf_ptr, v_buf_ptr, k_stride_t, k_stride_h, v_stride_t, v_stride_h,
+                     buf_stride_h, buf_stride_s, HEAD_DIM: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1).to(tl.int64)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    d = tl.arange(0, HEAD_DIM)
+    dst = h * buf_stride_h + slot * buf_stride_s + d
+    tl.store(k_buf_ptr + dst, tl.load(k_ptr + t * k_stride_t + h * k_stride_h + d))
+    tl.store(v_buf_ptr + dst, tl.load(v_ptr + t * v_stride_t + h * v_stride_h + d))
+
+
+def store_kv(k_buf: torch.Tensor, v_buf: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """k_buf, v_buf: [Hkv, S, D] head-major pool; k, v: [T, Hkv, D] (strided is fine)."""
+    num_tokens, num_heads, head_dim = k.shape
+    _store_kv_kernel[(num_tokens, num_heads)](
+        k, v, slots, k_buf, v_buf, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        k_buf.stride(0), k_buf.stride(1), HEAD_DIM=head_dim)

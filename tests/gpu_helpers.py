@@ -1,0 +1,52 @@
+"""Small random Llama models and the Llama-3 tokenizer for the GPU tests."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+# The vocab-only GGUF lives in shared/ on development machines; the GPU machine gets a
+# converted copy carried in .whl/ (see README, "GPU").
+TOKENIZER_CANDIDATES = (REPO.parent / "shared/models/llama3-tokenizer-vocab.gguf", REPO / ".whl/llama3-tokenizer")
+
+
+def llama3_tokenizer_path() -> str:
+    env = os.environ.get("RADIXLM_LLAMA3_TOKENIZER")
+    if env:
+        return env
+    for path in TOKENIZER_CANDIDATES:
+        if path.exists():
+            return str(path)
+    raise FileNotFoundError(f"no Llama-3 tokenizer at {[str(p) for p in TOKENIZER_CANDIDATES]}")
+
+
+def small_llama_config(tmp_dir: Path, num_layers: int = 4) -> str:
+    """A 4-layer Llama with the Llama-3 vocabulary and head_dim 128 (the 8B model's kernels)."""
+    config = {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 512,
+        "intermediate_size": 1024, "num_hidden_layers": num_layers, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "head_dim": 128, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
+        "max_position_embeddings": 4096, "vocab_size": 128256, "tie_word_embeddings": False,
+        "bos_token_id": 128000, "eos_token_id": 128001,
+    }
+    path = Path(tmp_dir) / "config.json"
+    path.write_text(json.dumps(config))
+    return str(path)
+
+
+def first_divergence(a: list[int], b: list[int]) -> int | None:
+    """Index of the first differing token (or of the shorter end), None when equal."""
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def top2_gap(out: dict, pos: int) -> float:
+    """Logprob margin between the best and second-best token at output position `pos`."""
+    top = out["meta_info"]["output_top_logprobs"][pos]
+    return top[0][0] - top[1][0]

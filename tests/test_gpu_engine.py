@@ -1,0 +1,92 @@
+"""The engine on CUDA: greedy outputs agree across attention backends and with CUDA graphs."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from gpu_helpers import first_divergence, llama3_tokenizer_path, small_llama_config, top2_gap
+
+pytestmark = pytest.mark.gpu
+
+NEW_TOKENS = 24
+# bf16 rounding may flip a greedy pick where the two best tokens are this close (logprob units);
+# anywhere else a divergence is a bug.
+NEAR_TIE = 0.05
+
+
+def _prompts() -> list[list[int]]:
+    rng = random.Random(0)
+    shared = [rng.randrange(1000, 100000) for _ in range(300)]  # a prefix the radix cache shares
+    prompts = [shared + [rng.randrange(1000, 100000) for _ in range(n)] for n in (1, 7, 40, 129)]
+    prompts += [[rng.randrange(1000, 100000) for _ in range(n)] for n in (3, 64, 500, 1000)]
+    return prompts
+
+
+def _run(config_path: str, **kwargs) -> list[dict]:
+    from radixlm.srt import Engine
+
+    engine = Engine(config_path, load_format="dummy", tokenizer_path=llama3_tokenizer_path(), max_total_tokens=32768,
+                    max_running_requests=16, **kwargs)
+    params = {"temperature": 0, "max_new_tokens": NEW_TOKENS, "ignore_eos": True}
+    try:
+        prompts = _prompts()
+        # Twice: the second pass hits the radix cache for every prompt (prefix reuse + decode).
+        outs = engine.generate(input_ids=prompts, sampling_params=params, return_logprob=True, top_logprobs_num=2)
+        outs += engine.generate(input_ids=prompts[::-1], sampling_params=params, return_logprob=True,
+                                top_logprobs_num=2)[::-1]
+        assert all(o["meta_info"]["completion_tokens"] == NEW_TOKENS for o in outs)
+        assert any(o["meta_info"]["cached_tokens"] > 0 for o in outs)
+        return outs
+    finally:
+        engine.shutdown()
+        torch.cuda.empty_cache()
+
+
+def _assert_same_greedy(reference: list[dict], other: list[dict]) -> None:
+    exact = 0
+    for ref, got in zip(reference, other):
+        pos = first_divergence(ref["output_ids"], got["output_ids"])
+        if pos is None:
+            exact += 1
+            continue
+        gap = top2_gap(ref, pos)
+        assert gap < NEAR_TIE, f"outputs diverge at token {pos} where the reference margin is {gap:.3f}"
+    assert exact >= len(reference) // 2, f"only {exact}/{len(reference)} outputs agree exactly"
+
+
+@pytest.fixture(scope="module")
+def config_path(tmp_path_factory):
+    return small_llama_config(tmp_path_factory.mktemp("small-llama"))
+
+
+@pytest.fixture(scope="module")
+def reference(config_path):
+    return _run(config_path, attention_backend="torch_native", disable_cuda_graph=True)
+
+
+@pytest.mark.parametrize("kwargs", [
+    {"attention_backend": "flashinfer", "disable_cuda_graph": True},
+    {"attention_backend": "flashinfer"},
+    {"attention_backend": "flashinfer", "page_size": 16},
+], ids=["flashinfer-eager", "flashinfer-cuda-graph", "flashinfer-cuda-graph-page16"])
+def test_greedy_outputs_match_torch_native(config_path, reference, kwargs):
+    _assert_same_greedy(reference, _run(config_path, **kwargs))
+
+
+def test_defaults_on_cuda_are_flashinfer_bf16_with_graphs(config_path):
+    from radixlm.srt import Engine
+
+    engine = Engine(config_path, load_format="dummy", tokenizer_path=llama3_tokenizer_path(), max_total_tokens=8192,
+                    max_running_requests=4)
+    try:
+        runner = engine.scheduler.runner
+        assert runner.attention_backend == "flashinfer" and runner.dtype == torch.bfloat16
+        assert runner.graph_runner is not None and runner.graph_runner.buckets == [1, 2, 4]
+        assert runner.ops.name == "triton"
+        out = engine.generate("The capital of France is", {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True})
+        assert out["meta_info"]["completion_tokens"] == 8
+    finally:
+        engine.shutdown()
