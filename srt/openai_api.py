@@ -314,7 +314,8 @@ class _OpenAIServing:
         schema = body.schema_from_response_format()
         if schema is not None:
             params["json_schema"] = schema
-            renames["json_schema"] = "response_format"
+            json_object = body.response_format.type == "json_object"
+            renames["json_schema"] = "response_format" if json_object else "response_format.json_schema.schema"
         base = GenerateRequest(input_ids=ids, sampling_params=params, return_logprob=body.logprobs,
                                top_logprobs_num=body.top_logprobs or 0, stream=body.stream)
         return _Job([_expand_and_validate(tm, base, renames)], [len(ids)], [], renames)

@@ -38,7 +38,8 @@ class OpenAIError(Exception):
         if not sep or not head or " " in head:
             return cls(message)
         name = head.removeprefix("sampling_params.")
-        param = renames.get(name, name)
+        first, dot, tail = name.partition(".")  # json_schema.properties.x: rename the field only
+        param = renames.get(first, first) + dot + tail
         return cls(f"{param}:{rest}", param)
 
     @classmethod
@@ -240,8 +241,8 @@ class ChatCompletionRequest(_SamplingBody):
         rf = self.response_format
         if rf is None or rf.type == "text":
             return None
-        if rf.type == "json_object":
-            return json.dumps({"type": "object"})
+        if rf.type == "json_object":  # any JSON object
+            return json.dumps({"type": "object", "additionalProperties": True})
         if rf.json_schema is None or rf.json_schema.schema_ is None:
             raise OpenAIError("response_format.json_schema.schema: required for type json_schema",
                               "response_format.json_schema.schema")

@@ -41,6 +41,8 @@ class Req:
     generator: torch.Generator | None = None
     output_ids: list[int] = field(default_factory=list)
     finish_reason: FinishReason | None = None
+    grammar: Any = None  # GrammarMatcher once the request's grammar compiled
+    pending_grammar: Any = None  # PendingGrammar while it compiles
 
     # KV ownership. Slots of tokens [0, kv_len) are in the req-to-token row; of those,
     # [0, cached_len) belong to the radix tree (locked through `last_node`).

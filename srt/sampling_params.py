@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass
 from typing import Any
 
-# Fields that the structured-generation work will bring; until then they are refused by name.
-CONSTRAINT_FIELDS = ("regex", "json_schema", "ebnf")
+from radixlm.srt.constrained.spec import GrammarSpec, check_json_schema, check_syntax
+
+# At most one of these constrains a request's output.
+CONSTRAINT_FIELDS = ("regex", "json_schema", "ebnf", "choices")
 
 
 @dataclass(frozen=True)
@@ -30,6 +33,18 @@ class SamplingParams:
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     no_stop_trim: bool = False
+    regex: str | None = None
+    json_schema: str | None = None  # JSON text; a dict is serialized on the way in
+    ebnf: str | None = None
+    choices: tuple[str, ...] | None = None  # the output is exactly one of these strings
+
+    @property
+    def grammar_spec(self) -> GrammarSpec | None:
+        for name in CONSTRAINT_FIELDS:
+            value = getattr(self, name)
+            if value is not None:
+                return GrammarSpec(name, json.dumps(list(value)) if name == "choices" else value)
+        return None
 
     @property
     def is_greedy(self) -> bool:
@@ -41,10 +56,6 @@ class SamplingParams:
         if params is not None and not isinstance(params, dict):
             raise ValueError("sampling_params: must be an object")
         params = dict(params or {})
-        for name in CONSTRAINT_FIELDS:
-            if params.get(name) is not None:
-                raise ValueError(f"sampling_params.{name}: constrained decoding is not supported yet")
-            params.pop(name, None)
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(params) - known)
         if unknown:
@@ -78,6 +89,18 @@ class SamplingParams:
                 regex.compile(pattern)
             except regex.error as e:
                 raise ValueError(f"sampling_params.stop_regex: invalid pattern {pattern!r}: {e}") from None
+        self._validate_constraint()
+
+    def _validate_constraint(self) -> None:
+        given = [name for name in CONSTRAINT_FIELDS if getattr(self, name) is not None]
+        _check(len(given) <= 1, given[-1] if given else "regex",
+               f"only one of {', '.join(CONSTRAINT_FIELDS)} may be given (got {', '.join(given)})")
+        spec = self.grammar_spec
+        if spec is None:
+            return
+        if spec.kind == "json_schema":
+            check_json_schema(json.loads(spec.value), "sampling_params.json_schema")
+        check_syntax(spec, f"sampling_params.{spec.kind}")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -104,6 +127,22 @@ def _coerce(name: str, value: Any) -> Any:
         ok = isinstance(items, (list, tuple)) and all(isinstance(s, str) and s for s in items)
         _check(ok, name, "must be a non-empty string or a list of them")
         return tuple(items)
+    if name in ("regex", "ebnf"):
+        _check(isinstance(value, str) and value != "", name, "must be a non-empty string")
+        return value
+    if name == "json_schema":
+        if isinstance(value, str):
+            try:
+                json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"sampling_params.json_schema: not valid JSON: {e}") from None
+            return value
+        _check(isinstance(value, (dict, bool)), name, "must be a JSON schema (an object, or its JSON text)")
+        return json.dumps(value)
+    if name == "choices":
+        ok = isinstance(value, (list, tuple)) and value and all(isinstance(c, str) and c for c in value)
+        _check(bool(ok), name, "must be a non-empty list of non-empty strings")
+        return tuple(value)
     if name == "stop_token_ids":
         items = [value] if isinstance(value, int) else value
         ok = isinstance(items, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in items)

@@ -15,6 +15,7 @@ import torch
 
 from radixlm.radix import RadixCache, common_prefix_len
 from radixlm.srt.batch_builder import ExtendPlan, build_decode_batch, build_extend_batch
+from radixlm.srt.constrained.grammar_cache import GrammarCache
 from radixlm.srt.finish import check_finished
 from radixlm.srt.logprobs import record_input_logprobs, record_output_logprob
 from radixlm.srt.mem_pool import PageAllocator, ReqToTokenPool
@@ -34,6 +35,7 @@ INIT_NEW_TOKEN_RATIO = 0.7
 MIN_NEW_TOKEN_RATIO = 0.1
 NEW_TOKEN_RATIO_DECAY = 0.002
 RETRACT_RATIO_BUMP = 0.2
+GRAMMAR_POLL_S = 0.005
 
 
 class Scheduler:
@@ -55,6 +57,14 @@ class Scheduler:
         self.chunked: Req | None = None  # a request whose prompt is being prefilled in chunks
         self.new_token_ratio = INIT_NEW_TOKEN_RATIO
         self.in_flight: list[Req] = []  # the batch of the forward being run
+        self.compiling: list[Req] = []  # constrained requests whose grammar is not ready yet
+        self.grammars = GrammarCache(self._make_grammar_backend, args.grammar_compile_timeout)
+        self._jump_forward = None  # built on the first constrained request
+
+    def _make_grammar_backend(self):
+        from radixlm.srt.constrained.xgrammar_backend import XGrammarBackend
+
+        return XGrammarBackend(self.tokenizer, self.config.vocab_size, self.eos_ids)
 
     def _eos_ids(self, loaded) -> tuple[int, ...]:
         ids = set(self.config.eos_token_ids)
@@ -66,15 +76,39 @@ class Scheduler:
     # ---- requests in and out -------------------------------------------------------------
 
     def add_request(self, req: Req) -> None:
-        self.waiting.append(req)
+        spec = req.sampling_params.grammar_spec
+        if spec is None:
+            self.waiting.append(req)
+        else:
+            req.pending_grammar = self.grammars.submit(spec)
+            self.compiling.append(req)
+
+    def _poll_grammars(self) -> list[Req]:
+        """Moves requests whose grammar compiled to waiting; returns those whose compile failed."""
+        failed = []
+        for req in list(self.compiling):
+            outcome = req.pending_grammar.result()
+            if outcome is None:
+                continue
+            self.compiling.remove(req)
+            compiled, error = outcome
+            req.pending_grammar = None
+            if error is not None:
+                req.finish_reason = FinishReason("abort", message=error)
+                failed.append(req)
+            else:
+                req.grammar = self.grammars.backend.new_matcher(compiled)
+                self.waiting.append(req)
+        return failed
 
     def abort(self, rid: str) -> Req | None:
         """Ends a request now: its KV is released and it leaves the queues at once."""
-        for req in list(self.waiting):
-            if req.rid == rid:
-                self.waiting.remove(req)
-                req.finish_reason = FinishReason("abort")
-                return req
+        for queue in (self.waiting, self.compiling):
+            for req in list(queue):
+                if req.rid == rid:
+                    queue.remove(req)
+                    req.finish_reason = FinishReason("abort")
+                    return req
         for req in self.running + ([self.chunked] if self.chunked else []):
             if req.rid == rid and not req.finished:
                 req.finish_reason = FinishReason("abort")
@@ -87,9 +121,9 @@ class Scheduler:
 
     def abort_all(self, message: str) -> list[Req]:
         """Ends every request (after an internal error), releasing all their KV."""
-        reqs = list(self.waiting) + self.running + ([self.chunked] if self.chunked else [])
+        reqs = list(self.waiting) + self.compiling + self.running + ([self.chunked] if self.chunked else [])
         reqs += [r for r in self.in_flight if r not in reqs and not r.finished]
-        self.in_flight = []
+        self.in_flight, self.compiling = [], []
         self.waiting.clear()
         self.running, self.chunked = [], None
         for req in reqs:
@@ -107,12 +141,13 @@ class Scheduler:
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.chunked or any(not r.finished for r in self.running))
+        return bool(self.waiting or self.compiling or self.chunked or any(not r.finished for r in self.running))
 
     @torch.inference_mode()
     def step(self) -> list[Req]:
         """Runs one forward; returns the requests that produced a token or finished in it."""
         self.running = [r for r in self.running if not r.finished]  # aborted since the last step
+        failed = self._poll_grammars() if self.compiling else []
         plans = self._plan_extend()
         if plans:
             stepped = self._run_extend(plans)
@@ -120,6 +155,9 @@ class Scheduler:
             stepped = self._run_decode()
         else:
             stepped = []
+            if self.compiling and not failed:  # nothing to run but grammars to wait for: don't spin
+                self.compiling[0].pending_grammar.wait(GRAMMAR_POLL_S)
+        stepped = failed + stepped
         # Finished requests leave at once, so has_work is exact between steps (flush_cache).
         self.running = [r for r in self.running if not r.finished]
         return stepped
@@ -257,9 +295,10 @@ class Scheduler:
 
     def _run_decode(self) -> list[Req]:
         reqs = list(self.running)
-        # Make room for one token each: evict from the tree, then retract the newest requests.
+        # Make room for the new tokens (one each, more after a jump-forward): evict from the
+        # tree, then retract the newest requests.
         while True:
-            needed = sum(self.allocator.slots_needed(r.kv_len, 1) for r in reqs)
+            needed = sum(self.allocator.slots_needed(r.kv_len, r.seq_len - r.kv_len) for r in reqs)
             if needed > self.allocator.available_size:
                 self.tree.evict(needed - self.allocator.available_size)
             if needed <= self.allocator.available_size or len(reqs) == 1:
@@ -267,16 +306,21 @@ class Scheduler:
             self._retract(reqs.pop())
             self.new_token_ratio = min(1.0, self.new_token_ratio + RETRACT_RATIO_BUMP)
         self.new_token_ratio = max(MIN_NEW_TOKEN_RATIO, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY)
-        slots: list[int] = []
+        new_slots: list[list[int]] = []
         for req in reqs:
-            got = self._alloc(req, 1)
+            got = self._alloc(req, req.seq_len - req.kv_len)
             if got is None:
                 raise RuntimeError("the KV pool cannot hold one request; raise --max-total-tokens")
-            slots.extend(got)
+            new_slots.append(got)
         self.in_flight = reqs
-        logits = self.runner.forward(build_decode_batch(reqs, slots, self.device))
+        if all(len(s) == 1 for s in new_slots):
+            batch = build_decode_batch(reqs, [s[0] for s in new_slots], self.device)
+        else:  # jumped-forward requests feed several tokens: an extend batch, last row each
+            batch = build_extend_batch([ExtendPlan(r, r.kv_len, len(s), s, r.seq_len - 1, 1)
+                                        for r, s in zip(reqs, new_slots)], self.device)
+        logits = self.runner.forward(batch)
         for req in reqs:
-            req.kv_len += 1
+            req.kv_len = req.seq_len
         self._sample_and_append(reqs, logits)
         return reqs
 
@@ -293,15 +337,45 @@ class Scheduler:
         if any(r.logprob.return_logprob for r in reqs):
             logprobs = torch.log_softmax(logits, dim=-1)
         apply_penalties(logits, reqs, self.eos_ids)
+        constrained = [i for i, r in enumerate(reqs) if r.grammar is not None]
+        if constrained:
+            self._apply_grammar_masks(logits, reqs, constrained)
         next_ids = sample(logits, reqs).tolist()
         for i, (req, token) in enumerate(zip(reqs, next_ids)):
             req.output_ids.append(token)
             if req.logprob.return_logprob:
                 record_output_logprob(req, logprobs[i], token)
-            reason = check_finished(req, self.eos_ids, self.context_len, self.tokenizer)
+            reason = self._advance_grammar(req, token) if req.grammar is not None else None
+            reason = reason or check_finished(req, self.eos_ids, self.context_len, self.tokenizer)
             if reason is not None:
                 req.finish_reason = reason
                 self._release(req)
+
+    def _apply_grammar_masks(self, logits: torch.Tensor, reqs: list[Req], rows: list[int]) -> None:
+        backend = self.grammars.backend
+        bitmask = backend.allocate_bitmask(len(reqs))
+        for row in rows:
+            reqs[row].grammar.fill_bitmask(bitmask, row)
+        backend.apply_bitmask(logits, bitmask, rows)
+
+    def _advance_grammar(self, req: Req, token: int) -> FinishReason | None:
+        """Feeds the sampled token to the request's matcher; ends the request when the grammar
+        is complete, else appends any text the grammar forces (jump-forward)."""
+        if not req.grammar.accept_token(token):
+            return FinishReason("abort", message=f"internal error: token {token} violates the request's grammar")
+        if req.grammar.is_terminated():
+            return FinishReason("stop", matched=token)
+        if self.args.disable_jump_forward or req.logprob.return_logprob:
+            return None  # jumped tokens have no logprobs of their own
+        if self._jump_forward is None:
+            from radixlm.srt.constrained.jump_forward import JumpForward
+
+            self._jump_forward = JumpForward(self.tokenizer)
+        room = min(req.sampling_params.max_new_tokens - len(req.output_ids), self.context_len - req.seq_len)
+        jumped = self._jump_forward(req.output_ids, req.grammar, room)
+        if jumped is not None:
+            req.output_ids[-1:] = jumped
+        return None
 
     # ---- KV ownership --------------------------------------------------------------------------
 

@@ -298,7 +298,9 @@ def test_token_bytes_are_exact_for_split_characters(tokenizer):
     ({"top_logprobs": 2}, "top_logprobs"),
     ({"stop": 5}, "stop"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
-    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format.json_schema.schema"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"not": {}}}}},
+     "response_format.json_schema.schema"),
     ({"max_tokens": 9000}, "max_tokens"),
 ])
 def test_chat_bad_input_is_400_naming_the_field(client, model, kwargs, param):
@@ -319,13 +321,14 @@ def test_chat_bad_input_is_400_naming_the_field(client, model, kwargs, param):
     ({"prompt": "word " * 9000}, "prompt"),
     ({"logprobs": 6}, "logprobs"),
     ({"echo": "yes"}, "echo"),
-    ({"regex": "[0-9]+"}, "regex"),
+    ({"regex": "([0-9]+"}, "regex"),
+    ({"ebnf": "root ::= undefined_rule"}, "ebnf"),
     ({"stop_token_ids": [10**6]}, "stop_token_ids"),
 ])
 def test_completion_bad_input_is_400_naming_the_field(client, model, kwargs, param):
     body = {"model": model, "prompt": "hi", "max_tokens": 4}
     body.update(kwargs)
-    extra = {k: body.pop(k) for k in ("regex", "stop_token_ids") if k in body}
+    extra = {k: body.pop(k) for k in ("regex", "ebnf", "stop_token_ids") if k in body}
     with pytest.raises(openai.BadRequestError) as exc:
         client.completions.create(**body, extra_body=extra or None)
     assert error_of(exc)["param"] == param

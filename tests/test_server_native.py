@@ -117,7 +117,8 @@ def test_abort_request_by_rid(server):
     ({"text": ""}, "text"),
     ({"input_ids": [1, 10**9]}, "input_ids"),
     ({"text": "hi", "sampling_params": {"stop_regex": "(["}}, "stop_regex"),
-    ({"text": "hi", "sampling_params": {"regex": "[0-9]+"}}, "regex"),
+    ({"text": "hi", "sampling_params": {"regex": "[0-9]+("}}, "regex"),
+    ({"text": "hi", "sampling_params": {"json_schema": {"type": "object", "not": {}}}}, "json_schema"),
     ({"text": "hi", "bogus": 1}, "bogus"),
     ({"text": "hi", "sampling_params": {"n": 0}}, "n"),
 ])
