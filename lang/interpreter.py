@@ -239,20 +239,14 @@ class StreamExecutor:
 
     def _gen(self, expr: Gen) -> None:
         params = self.defaults.merged(expr.params)
-        try:
-            if self.stream and (params.n or 1) == 1:
-                value, meta = self._gen_streaming(expr.name, params)
-            else:
-                result = self.backend.generate(self._prompt(), params)
-                self._append(result.texts[0])
-                one = len(result.texts) == 1 and (params.n or 1) == 1
-                value = result.texts[0] if one else result.texts
-                meta = result.meta_infos[0] if one and result.meta_infos else result.meta_infos
-        except BackendError as e:
-            if params.constrained:
-                raise BackendError(f"gen {expr.name!r}: dtype/regex/json_schema need constrained decoding (the "
-                                   f"runtime's constraints issue), which this server does not support yet: {e}") from e
-            raise
+        if self.stream and (params.n or 1) == 1:
+            value, meta = self._gen_streaming(expr.name, params)
+        else:
+            result = self.backend.generate(self._prompt(), params)
+            self._append(result.texts[0])
+            one = len(result.texts) == 1 and (params.n or 1) == 1
+            value = result.texts[0] if one else result.texts
+            meta = result.meta_infos[0] if one and result.meta_infos else result.meta_infos
         self._set(expr.name, value, meta)
 
     def _gen_streaming(self, name: str | None, params: SamplingParams) -> tuple[str, Any]:

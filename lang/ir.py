@@ -121,12 +121,12 @@ def gen(name: str | None = None, max_tokens: int | None = None, *, choices: list
 
 
 def gen_int(name: str | None = None, max_tokens: int | None = None, **params: Any) -> Expr:
-    """An integer (needs constrained decoding in the runtime)."""
+    """An integer, as text (the runtime constrains the output to digits)."""
     return Gen(name, SamplingParams.from_kwargs({"max_new_tokens": max_tokens, **params, "dtype": int}, "gen_int"))
 
 
 def gen_string(name: str | None = None, max_tokens: int | None = None, **params: Any) -> Expr:
-    """A double-quoted string (needs constrained decoding in the runtime)."""
+    """A double-quoted string, quotes included (the runtime constrains the output)."""
     return Gen(name, SamplingParams.from_kwargs({"max_new_tokens": max_tokens, **params, "dtype": str}, "gen_string"))
 
 

@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from typing import Any, Iterator
 
@@ -55,6 +56,10 @@ class OpenAI(Backend):
         if stream:
             body["stream"] = True
         if self._chat_mode(prompt):
+            if "json_schema" in body:  # OpenAI's own spelling of a schema constraint
+                schema = json.loads(body.pop("json_schema"))
+                body["response_format"] = {"type": "json_schema",
+                                           "json_schema": {"name": "output", "schema": schema, "strict": True}}
             if params.return_logprob:
                 body["logprobs"] = True
                 if params.top_logprobs_num:

@@ -16,12 +16,13 @@ from typing import Any
 ALIASES = {"max_tokens": "max_new_tokens", "min_tokens": "min_new_tokens"}
 # Fields that travel in the request body beside `sampling_params`, not inside it.
 _LOGPROB_FIELDS = ("return_logprob", "logprob_start_len", "top_logprobs_num", "return_text_in_logprobs")
-# Constrained generation; dtype becomes a regex. They need the constraints work in the runtime.
+# Constrained generation; dtype becomes a regex.
 _CONSTRAINT_FIELDS = ("dtype", "regex", "json_schema")
-# The regex each dtype stands for (a bare value, as SGLang's frontend does).
+# The regex each dtype stands for (a bare value, as SGLang's frontend does; the value stays
+# text, as there). Digit runs are bounded so a sampled number cannot run to max_tokens.
 _DTYPE_REGEX = {
-    "int": r"[-+]?[0-9]+",
-    "float": r"[-+]?[0-9]*\.?[0-9]+",
+    "int": r"[-+]?[0-9]{1,19}",
+    "float": r"[-+]?[0-9]{1,19}(\.[0-9]{1,19})?",
     "bool": r"(True|False)",
     "str": r"\"[\w\d\s]*\"",
 }
@@ -78,10 +79,6 @@ class SamplingParams:
         changes = {f: v for f in _FIELD_NAMES if (v := getattr(override, f)) is not None}
         return dataclasses.replace(self, **changes)
 
-    @property
-    def constrained(self) -> bool:
-        return any(getattr(self, f) is not None for f in _CONSTRAINT_FIELDS)
-
     def wire_sampling(self) -> dict[str, Any]:
         """The native API's `sampling_params` object: only the fields that are set."""
         out: dict[str, Any] = {}
@@ -94,13 +91,23 @@ class SamplingParams:
         if regex is not None:
             out["regex"] = regex
         if self.json_schema is not None:  # the native API takes the schema as a JSON string
-            schema = self.json_schema
-            out["json_schema"] = schema if isinstance(schema, str) else json.dumps(schema)
+            out["json_schema"] = schema_text(self.json_schema)
         return out
 
     def wire_logprob(self) -> dict[str, Any]:
         """The native API's logprob options (beside `sampling_params`): only those set."""
         return {f: getattr(self, f) for f in _LOGPROB_FIELDS if getattr(self, f) is not None}
+
+
+def schema_text(schema: Any) -> str:
+    """A JSON schema given as JSON text, a dict, or a pydantic model class, as JSON text."""
+    if isinstance(schema, str):
+        return schema
+    if isinstance(schema, type) and hasattr(schema, "model_json_schema"):
+        return json.dumps(schema.model_json_schema())
+    if isinstance(schema, dict):
+        return json.dumps(schema)
+    raise ValueError(f"json_schema: must be a dict, JSON text or a pydantic model class, got {schema!r}")
 
 
 def dtype_regex(dtype: type | str | None) -> str | None:

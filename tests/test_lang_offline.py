@@ -3,6 +3,7 @@ the interpreter's semantics (ordering, overrides, fork/join, errors, tracing, ba
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import threading
@@ -256,16 +257,24 @@ def test_failed_gen_raises_from_reader_and_run():
     assert isinstance(state.error(), BackendError)
 
 
-def test_constrained_gen_names_the_constraints_work():
-    backend = ScriptedBackend(lambda prompt, params: BackendError("sampling_params.regex: not supported yet"))
+def test_constraints_travel_as_the_native_api_fields():
+    from pydantic import BaseModel
+
+    class Point(BaseModel):
+        x: int
+        y: int
+
+    backend = ScriptedBackend(lambda prompt, params: "7")
 
     @sgl.function
     def prog(s):
-        s += "n=" + sgl.gen_int("n")
+        s += "n=" + sgl.gen_int("n") + " p=" + sgl.gen("p", json_schema=Point) + sgl.gen("f", dtype=float)
 
-    with pytest.raises(BackendError, match="constrained decoding"):
-        prog.run(backend=backend)
-    assert backend.calls[0][1][1].wire_sampling()["regex"] == r"[-+]?[0-9]+"
+    prog.run(backend=backend)
+    wires = [call[1][1].wire_sampling() for call in backend.calls]
+    assert wires[0]["regex"] == r"[-+]?[0-9]{1,19}"
+    assert json.loads(wires[1]["json_schema"])["required"] == ["x", "y"]
+    assert wires[2]["regex"].startswith(r"[-+]?[0-9]")
 
 
 def test_run_batch_keeps_order_and_isolates_failures():
