@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import importlib
 import logging
+import threading
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -78,6 +80,9 @@ class TokenizerManager:
         self._states: dict[str, _ReqState] = {}
         self._control_waiters: dict[str, asyncio.Future] = {}
         self._recv_task: asyncio.Task | None = None
+        # Constraint specs are checked here with xgrammar's parsers; importing it takes seconds,
+        # which would otherwise stall the event loop on the first constrained request.
+        threading.Thread(target=importlib.import_module, args=("xgrammar",), daemon=True).start()
 
     # ---- lifecycle ---------------------------------------------------------------------------
 
