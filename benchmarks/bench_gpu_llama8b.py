@@ -6,7 +6,9 @@ measured in the same run. Prints one JSON line per result and appends them to --
   offline  vLLM's 1000-request workload (input U[512,1536], output U[128,384], ignore_eos,
            token-id prompts) vs vLLM's 5962 output tok/s; HF `generate` on the first 128
            requests (and radixlm on the same 128) as the in-run baseline; prefill/decode split
-  ready    Engine construction time (load, graphs) vs vLLM's 136 s
+  shared_prefix  64 groups x 16 prompts (2048 shared + 256 unique, 128 out), shuffled, vs
+           vLLM's 5759 output tok/s; the radix cache turned off as the in-run baseline
+  (always) Engine construction time (load, graphs) vs vLLM's 136 s start to ready
 
 Run on the H200 (see README, "GPU"):
   python benchmarks/bench_gpu_llama8b.py --suites decode,prefill,offline --out benchmarks/results/gpu_h200.jsonl
@@ -106,6 +108,33 @@ def bench_decode(engine, rep: Reporter, weight_bytes: int, bw: dict) -> None:
               "roofline_ms": round(roofline_ms, 3), "fraction_of_roofline": round(roofline_ms / ms, 3),
               "goal": ">= 0.9", "vllm_ms_per_token": VLLM["decode_ms_per_token"],
               "ratio_vs_vllm": round(VLLM["decode_ms_per_token"] / ms, 3)})
+    profile(lambda: gen(16), "batch-1 decode, 16 tokens")
+    host_profile(lambda: gen(128), "batch-1 decode, 128 tokens: host time")
+
+
+def host_profile(fn, title: str, rows: int = 25) -> None:
+    """Where the host spends a call of `fn` (Python functions, cumulative)."""
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    fn()
+    prof.disable()
+    print(f"# host profile: {title}", flush=True)
+    pstats.Stats(prof, stream=sys.stdout).sort_stats("tottime").print_stats(rows)
+
+
+def profile(fn, title: str, rows: int = 18) -> None:
+    """Prints the kernels that take the GPU time (and the host-side ops) for one call of `fn`."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    print(f"# profile: {title}", flush=True)
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=rows, max_name_column_width=60), flush=True)
 
 
 def bench_prefill(engine, rep: Reporter, config, peak_tflops: float) -> None:
@@ -119,6 +148,7 @@ def bench_prefill(engine, rep: Reporter, config, peak_tflops: float) -> None:
 
     run()
     seconds = timed(run, 3)
+    profile(run, "prefill 8 x 2048", rows=12)
     tokens = num * length
     linear = 2 * (config.num_layers * _layer_params(config)) * tokens
     attention = 2 * 2 * config.num_heads * config.head_dim * (length * length / 2) * config.num_layers * num
@@ -228,7 +258,51 @@ def bench_offline(engine, rep: Reporter, prompts, out_lens, hf_tok_s: float | No
             line.update(vllm_output_tok_s=VLLM["offline_output_tok_s"],
                         ratio_vs_vllm=round(out_tokens / seconds / VLLM["offline_output_tok_s"], 3), goal=">= 1.1")
         rep.emit(line)
-    engine.scheduler.runner.forward = timer.inner
+    del engine.scheduler.runner.forward  # back to the class method (no runner -> runner cycle)
+
+
+def shared_prefix_workload(num_groups: int, per_group: int = 16, prefix_len: int = 2048, unique_len: int = 256,
+                           seed: int = 3) -> list[list[int]]:
+    rng = random.Random(seed)
+    prompts = []
+    for _ in range(num_groups):
+        prefix = random_prompts(rng, [prefix_len])[0]
+        prompts += [prefix + p for p in random_prompts(rng, [unique_len] * per_group)]
+    rng.shuffle(prompts)
+    return prompts
+
+
+def bench_shared_prefix(make_engine, rep: Reporter, num_groups: int, baseline_groups: int) -> None:
+    """64 groups x 16 prompts sharing 2048 tokens (+256 unique, 128 out), shuffled; the same
+    workload (fewer groups, to save time; a rate is compared) with the radix cache off."""
+    import gc
+
+    out_len = 128
+    params = {"temperature": 0, "max_new_tokens": out_len, "ignore_eos": True}
+    results = {}
+    for name, groups, kwargs in (("radix_cache", num_groups, {}),
+                                 ("disable_radix_cache", baseline_groups, {"disable_radix_cache": True})):
+        engine = make_engine(**kwargs)
+        engine.generate(input_ids=shared_prefix_workload(1, 4, seed=99), sampling_params=params)  # warm-up
+        engine.flush_cache()
+        prompts = shared_prefix_workload(groups)
+        start = time.perf_counter()
+        outs = engine.generate(input_ids=prompts, sampling_params=params)
+        seconds = time.perf_counter() - start
+        cached = sum(o["meta_info"]["cached_tokens"] for o in outs)
+        results[name] = len(prompts) * out_len / seconds
+        line = {"bench": "gpu_shared_prefix", "system": f"radixlm_engine {name}", "groups": groups,
+                "prompts": len(prompts), "seconds": round(seconds, 2), "output_tok_s": round(results[name], 1),
+                "cached_token_fraction": round(cached / sum(len(p) for p in prompts), 3)}
+        if name == "disable_radix_cache":
+            line.update(ratio_radix_vs_no_cache=round(results["radix_cache"] / results[name], 2))
+        else:
+            line.update(vllm_output_tok_s=5759.0, ratio_vs_vllm=round(results[name] / 5759.0, 3), goal=">= 1.3")
+        rep.emit(line)
+        engine.shutdown()
+        del engine, outs
+        gc.collect()
+        torch.cuda.empty_cache()
 
 
 def main() -> None:
@@ -243,25 +317,34 @@ def main() -> None:
     parser.add_argument("--chunked-prefill-size", type=int, default=16384)
     parser.add_argument("--page-size", type=int, default=1)
     parser.add_argument("--disable-cuda-graph", action="store_true")
+    parser.add_argument("--shared-prefix-groups", type=int, default=64)
+    parser.add_argument("--shared-prefix-baseline-groups", type=int, default=16,
+                        help="groups for the radix-cache-off baseline (a rate is compared)")
     args = parser.parse_args()
     suites = set(args.suites.split(","))
     rep = Reporter(args.out, "python " + shlex.join(sys.argv))
     tokenizer = args.tokenizer_path or next(str(p) for p in TOKENIZERS if p.exists())
 
-    bw = measure_bandwidth()
-    peak = measure_matmul_tflops()
+    bw = measure_bandwidth() if "decode" in suites else None
+    peak = measure_matmul_tflops() if "prefill" in suites else None
     prompts, out_lens = offline_workload(num=args.num_requests)
     hf_tok_s = run_hf_baseline(rep, prompts, out_lens) if "offline" in suites and not args.no_hf else None
 
     from radixlm.srt import Engine
     from radixlm.srt.model_runner import model_bytes
 
+    def make_engine(**overrides):
+        return Engine(str(CONFIG), load_format="dummy", tokenizer_path=tokenizer,
+                      max_running_requests=args.max_running_requests, cuda_graph_max_bs=args.cuda_graph_max_bs,
+                      chunked_prefill_size=args.chunked_prefill_size, max_prefill_tokens=args.chunked_prefill_size,
+                      page_size=args.page_size, disable_cuda_graph=args.disable_cuda_graph, **overrides)
+
+    if suites == {"shared_prefix"}:
+        bench_shared_prefix(make_engine, rep, args.shared_prefix_groups, args.shared_prefix_baseline_groups)
+        return
     torch.cuda.synchronize()
     start = time.perf_counter()
-    engine = Engine(str(CONFIG), load_format="dummy", tokenizer_path=tokenizer,
-                    max_running_requests=args.max_running_requests, cuda_graph_max_bs=args.cuda_graph_max_bs,
-                    chunked_prefill_size=args.chunked_prefill_size, max_prefill_tokens=args.chunked_prefill_size,
-                    page_size=args.page_size, disable_cuda_graph=args.disable_cuda_graph)
+    engine = make_engine()
     ready_s = time.perf_counter() - start
     config = engine.model_config
     rep.emit({"bench": "gpu_engine_ready", "seconds": round(ready_s, 1), "baseline": "vllm start to ready",
@@ -274,6 +357,10 @@ def main() -> None:
         bench_prefill(engine, rep, config, peak)
     if "offline" in suites:
         bench_offline(engine, rep, prompts, out_lens, hf_tok_s)
+    if "shared_prefix" in suites:
+        engine.shutdown()
+        del engine
+        bench_shared_prefix(make_engine, rep, args.shared_prefix_groups, args.shared_prefix_baseline_groups)
 
 
 if __name__ == "__main__":

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import gc
 import itertools
 import logging
 import time
 import uuid
 from typing import Any
+
+import torch
 
 from radixlm.srt.finish import output_text
 from radixlm.srt.input_validation import prompt_token_ids
@@ -107,6 +110,9 @@ class Engine:
 
     def shutdown(self) -> None:
         self.scheduler = None  # frees the model and KV pool
+        gc.collect()  # CUDA graphs and backends hold reference cycles; free their memory now
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
 
 
 def _logprob_options(return_logprob: bool, start: int | None, top_k: int) -> LogprobOptions:

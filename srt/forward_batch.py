@@ -26,6 +26,7 @@ class ForwardBatch:
     positions: torch.Tensor  # [T]
     out_cache_loc: torch.Tensor  # [T] KV slots where the new tokens' K/V go
     req_pool_indices: torch.Tensor  # [B] rows of the req-to-token table
+    req_pool_indices_cpu: list[int]
     seq_lens: torch.Tensor  # [B]
     seq_lens_cpu: list[int]
     prefix_lens_cpu: list[int]  # cached tokens before this step's new ones

@@ -35,7 +35,8 @@ class ModelRunner:
         with torch.device(self.device):
             self.model = LlamaForCausalLM(cfg, loaded.hf_config, self.ops)
         self.model.load_weights(loaded.weights)
-        self.model.to(self.dtype).eval()
+        # .to(device) too: rotary tables are built on the host (fp64 math) whatever the device.
+        self.model.to(device=self.device, dtype=self.dtype).eval()
         self.kv_pool = KVPool(num_kv_slots, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self.dtype, self.device)
         self.attention_backend = resolve_attention_backend(args.attention_backend, self.device, self.dtype)
         self.attn_backend = self._make_backend(req_to_token)

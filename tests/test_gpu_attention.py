@@ -23,7 +23,7 @@ def _setup(page_size: int):
 
     alloc = PageAllocator(capacity_tokens=8192, page_size=page_size)
     pool = KVPool(alloc.num_pages * page_size, 1, NUM_KV_HEADS, HEAD_DIM, DTYPE, "cuda")
-    table = torch.zeros(16, 2048, dtype=torch.int64, device="cuda")
+    table = torch.zeros(16, 2048, dtype=torch.int64)  # host-side, as ReqToTokenPool keeps it
     scale = 1.0 / math.sqrt(HEAD_DIM)
     flash = FlashInferBackend(pool, table, page_size, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, scale, DTYPE)
     native = TorchNativeBackend(pool, table, scale)
@@ -33,11 +33,11 @@ def _setup(page_size: int):
 def _batch(mode, rows, prefix_lens, extend_lens, out_slots, table) -> ForwardBatch:
     seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens)]
     positions = [p + i for p, e in zip(prefix_lens, extend_lens) for i in range(e)]
-    dev = table.device
+    dev = torch.device("cuda")
     return ForwardBatch(
         mode=mode, input_ids=torch.zeros(len(positions), dtype=torch.int64, device=dev),
         positions=torch.tensor(positions, device=dev), out_cache_loc=torch.tensor(out_slots, device=dev),
-        req_pool_indices=torch.tensor(rows, device=dev), seq_lens=torch.tensor(seq_lens, device=dev),
+        req_pool_indices=torch.tensor(rows, device=dev), req_pool_indices_cpu=list(rows), seq_lens=torch.tensor(seq_lens, device=dev),
         seq_lens_cpu=seq_lens, prefix_lens_cpu=list(prefix_lens), extend_lens_cpu=list(extend_lens),
         logit_rows=torch.arange(len(positions), device=dev))
 
@@ -46,8 +46,9 @@ def _fill_prefixes(alloc, pool, table, rows, prefix_lens, gen):
     """Allocates and writes random K/V for each request's cached prefix."""
     for row, n in zip(rows, prefix_lens):
         if n:
-            slots = torch.tensor(alloc.alloc(0, n, None), device="cuda")
+            slots = torch.tensor(alloc.alloc(0, n, None))
             table[row, :n] = slots
+            slots = slots.cuda()
             for buf in (pool.k_buffers[0], pool.v_buffers[0]):
                 buf[:, slots] = torch.randn(NUM_KV_HEADS, n, HEAD_DIM, generator=gen, device="cuda").to(DTYPE)
 
@@ -57,7 +58,7 @@ def _new_slots(alloc, table, rows, prefix_lens, extend_lens) -> list[int]:
     for row, p, e in zip(rows, prefix_lens, extend_lens):
         last = int(table[row, p - 1]) if p else None
         slots = alloc.alloc(p, e, last)
-        table[row, p:p + e] = torch.tensor(slots, device="cuda")
+        table[row, p:p + e] = torch.tensor(slots)
         out.extend(slots)
     return out
 

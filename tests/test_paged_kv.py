@@ -34,7 +34,7 @@ def test_page_tables_read_back_every_requests_kv(page_size):
         slots = alloc.alloc(0, first, None) if first else []
         slots += alloc.alloc(first, n - first, slots[-1] if slots else None)
         table[row, :n] = torch.tensor(slots)
-    kv = build_paged_kv(table, torch.tensor(rows), seq_lens, page_size)
+    kv = build_paged_kv(table, rows, seq_lens, page_size)
     assert kv.indptr.dtype == kv.indices.dtype == kv.last_page_len.dtype == torch.int32
     pages = _as_pages(k_buf, page_size)
     for i, (row, n) in enumerate(zip(rows, seq_lens)):
@@ -44,12 +44,12 @@ def test_page_tables_read_back_every_requests_kv(page_size):
 
 def test_padding_requests_read_one_token_of_the_padding_page():
     table = torch.arange(40, dtype=torch.int64).view(2, 20) + 8
-    kv = build_paged_kv(table, torch.tensor([1]), [9], page_size=4, pad_to=3)
+    kv = build_paged_kv(table, [1], [9], page_size=4, pad_to=3)
     assert kv.indptr.tolist() == [0, 3, 4, 5]
     assert kv.last_page_len.tolist() == [1, 1, 1]
     assert kv.indices.tolist() == [7, 8, 9, 0, 0]
     with pytest.raises(ValueError, match="pad_to"):
-        build_paged_kv(table, torch.tensor([0, 1]), [3, 3], page_size=4, pad_to=1)
+        build_paged_kv(table, [0, 1], [3, 3], page_size=4, pad_to=1)
 
 
 def test_qo_indptr():

@@ -34,7 +34,7 @@ class FlashInferBackend(AttentionBackend):
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale = scale
         self.dtype = dtype
-        self.device = req_to_token.device
+        self.device = kv_pool.k_buffers[0].device
         self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
         self.prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "HND", backend=_BACKEND)
         self.decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(self.workspace, "HND", use_tensor_cores=True,
@@ -47,7 +47,7 @@ class FlashInferBackend(AttentionBackend):
     # ---- planning ----------------------------------------------------------------------------
 
     def plan(self, batch: ForwardBatch) -> None:
-        kv = build_paged_kv(self.req_to_token, batch.req_pool_indices, batch.seq_lens_cpu, self.page_size)
+        kv = build_paged_kv(self.req_to_token, batch.req_pool_indices_cpu, batch.seq_lens_cpu, self.page_size)
         if batch.is_decode:
             self._plan_decode(self.decode, kv)
         else:
@@ -78,11 +78,8 @@ class FlashInferBackend(AttentionBackend):
                           out_cache_loc: torch.Tensor) -> None:
         """Plans `wrapper` for `batch` padded to `padded_size` (all padding when batch is None);
         the layers then store K/V at the fixed `out_cache_loc` buffer."""
-        if batch is None:
-            kv = build_paged_kv(self.req_to_token, self.req_to_token.new_zeros(0), [], self.page_size, padded_size)
-        else:
-            kv = build_paged_kv(self.req_to_token, batch.req_pool_indices, batch.seq_lens_cpu, self.page_size,
-                                padded_size)
+        rows, seq_lens = (batch.req_pool_indices_cpu, batch.seq_lens_cpu) if batch is not None else ([], [])
+        kv = build_paged_kv(self.req_to_token, rows, seq_lens, self.page_size, padded_size)
         self._plan_decode(wrapper, kv)
         self._out_cache_loc = out_cache_loc
 

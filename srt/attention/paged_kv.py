@@ -1,54 +1,50 @@
 """Page tables in the CSR form paged-attention kernels read: indptr, page indices, last-page lengths.
 
-Built from the request-to-token table on the device with a fixed number of small kernels and
-no host sync: the host only supplies sequence lengths it already knows.
+Built on the host from the request-to-token table (which lives there, see ReqToTokenPool):
+one numpy slice per request, so a decode step of hundreds of requests costs well under a
+millisecond and no device sync. The kernels' wrappers copy them to the device when planning.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 
 @dataclass(frozen=True)
 class PagedKV:
     """Request i's pages are `indices[indptr[i]:indptr[i + 1]]`; its last page holds
-    `last_page_len[i]` tokens. `indptr` and `last_page_len` stay on the host (kernels plan
-    from them there); `indices` is on the table's device. All int32."""
+    `last_page_len[i]` tokens. Host int32 tensors."""
 
-    indptr: torch.Tensor  # [B + 1], cpu
-    indices: torch.Tensor  # [indptr[-1]], device
-    last_page_len: torch.Tensor  # [B], cpu
+    indptr: torch.Tensor  # [B + 1]
+    indices: torch.Tensor  # [indptr[-1]]
+    last_page_len: torch.Tensor  # [B]
 
 
-def build_paged_kv(req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, seq_lens_cpu: list[int],
-                   page_size: int, pad_to: int | None = None) -> PagedKV:
-    """Pages of each request's first `seq_lens_cpu[i]` tokens, in order.
+def build_paged_kv(req_to_token: torch.Tensor, rows: list[int], seq_lens: list[int], page_size: int,
+                   pad_to: int | None = None) -> PagedKV:
+    """Pages of request i's first `seq_lens[i]` tokens (table row `rows[i]`), in order.
 
     pad_to: append dummy requests (one token on page 0, the allocator's padding page) up to
     this batch size, for a CUDA graph captured at a larger batch.
     """
-    num_pages = [-(-s // page_size) for s in seq_lens_cpu]
-    num_pad = (pad_to - len(seq_lens_cpu)) if pad_to is not None else 0
+    num_pad = (pad_to - len(seq_lens)) if pad_to is not None else 0
     if num_pad < 0:
-        raise ValueError(f"pad_to={pad_to} is smaller than the batch ({len(seq_lens_cpu)})")
-    counts = num_pages + [1] * num_pad
-    indptr = torch.zeros(len(counts) + 1, dtype=torch.int32)
-    torch.cumsum(torch.tensor(counts, dtype=torch.int32), 0, out=indptr[1:])
-    last_page_len = torch.tensor([(s - 1) % page_size + 1 for s in seq_lens_cpu] + [1] * num_pad, dtype=torch.int32)
-    total_real = int(indptr[len(seq_lens_cpu)])
-    device = req_to_token.device
-    pages_dev = torch.tensor(num_pages, dtype=torch.int64).to(device, non_blocking=True)
-    # For every page: its request's table row and its first token's column.
-    owner = torch.repeat_interleave(torch.arange(len(num_pages), device=device), pages_dev, output_size=total_real)
-    starts = indptr[:len(num_pages)].to(device=device, dtype=torch.int64, non_blocking=True)
-    page_in_req = torch.arange(total_real, device=device) - starts[owner]
-    slots = req_to_token[req_pool_indices[owner], page_in_req * page_size]
-    indices = torch.div(slots, page_size, rounding_mode="floor").to(torch.int32)
-    if num_pad:
-        indices = torch.cat([indices, torch.zeros(num_pad, dtype=torch.int32, device=device)])
-    return PagedKV(indptr, indices, last_page_len)
+        raise ValueError(f"pad_to={pad_to} is smaller than the batch ({len(seq_lens)})")
+    table = req_to_token.numpy()
+    # The first slot of each page names the page (a page's slots are consecutive).
+    parts = [table[row, :n:page_size] for row, n in zip(rows, seq_lens)]
+    parts.append(np.zeros(num_pad, dtype=np.int64))
+    slots = np.concatenate(parts)
+    pages = slots if page_size == 1 else slots // page_size
+    counts = np.fromiter(((n + page_size - 1) // page_size for n in seq_lens), dtype=np.int32, count=len(seq_lens))
+    indptr = np.zeros(len(seq_lens) + num_pad + 1, dtype=np.int32)
+    np.cumsum(np.concatenate([counts, np.ones(num_pad, dtype=np.int32)]), out=indptr[1:])
+    last = np.fromiter(((n - 1) % page_size + 1 for n in seq_lens), dtype=np.int32, count=len(seq_lens))
+    last_page_len = np.concatenate([last, np.ones(num_pad, dtype=np.int32)])
+    return PagedKV(torch.from_numpy(indptr), torch.from_numpy(pages.astype(np.int32)), torch.from_numpy(last_page_len))
 
 
 def qo_indptr_for(extend_lens_cpu: list[int]) -> torch.Tensor:

@@ -66,9 +66,18 @@ class TritonOps(TorchOps):
     def rotary(positions, q, k, cos_cache, sin_cache):
         from radixlm.srt.models import triton_ops
 
-        triton_ops.rotary_inplace(positions, q, cos_cache, sin_cache)
-        triton_ops.rotary_inplace(positions, k, cos_cache, sin_cache)
+        if _adjacent_heads(q, k):  # q and k heads side by side in the fused qkv output: one launch
+            both = q.as_strided((q.shape[0], q.shape[1] + k.shape[1], q.shape[2]), q.stride())
+            triton_ops.rotary_inplace(positions, both, cos_cache, sin_cache)
+        else:
+            triton_ops.rotary_inplace(positions, q, cos_cache, sin_cache)
+            triton_ops.rotary_inplace(positions, k, cos_cache, sin_cache)
         return q, k
+
+
+def _adjacent_heads(q: torch.Tensor, k: torch.Tensor) -> bool:
+    return (q.stride() == k.stride() and q.shape[2] == k.shape[2]
+            and k.data_ptr() == q.data_ptr() + q.shape[1] * q.stride(1) * q.element_size())
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
