@@ -1,0 +1,93 @@
+"""Cascade decode attention (shared prefix read once per group) equals plain attention."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from radixlm.srt.attention import torch_native
+from radixlm.srt.attention.torch_native import TorchNativeBackend
+from radixlm.srt.forward_batch import ForwardBatch, ForwardMode
+from radixlm.srt.mem_pool import KVPool
+
+HKV, GROUP, D = 3, 3, 64
+
+
+def _reference(q, pool, rows, seq_lens, table, scale):
+    outs = []
+    for i, (row, n) in enumerate(zip(rows, seq_lens)):
+        slots = table[row, :n]
+        k = pool.k_buffers[0][:, slots].repeat_interleave(GROUP, dim=0)  # [H, n, D]
+        v = pool.v_buffers[0][:, slots].repeat_interleave(GROUP, dim=0)
+        qi = q[i].view(HKV * GROUP, 1, D)
+        w = torch.softmax((qi @ k.transpose(-1, -2)) * scale, dim=-1)
+        outs.append((w @ v).reshape(-1))
+    return torch.stack(outs)
+
+
+def test_cascade_matches_plain_attention_for_mixed_groups():
+    torch.manual_seed(0)
+    pool = KVPool(4096, 1, HKV, D, torch.float32, "cpu")
+    pool.k_buffers[0].normal_()
+    pool.v_buffers[0].normal_()
+    table = torch.zeros(8, 1024, dtype=torch.int64)
+    shared_a = torch.randperm(4000)[:300]  # one long prefix shared by rows 0-2
+    shared_b = torch.randperm(4000)[:100]  # another by rows 3-4; rows 5-6 share too little
+    seq_lens = [310, 305, 340, 120, 101, 70, 75]
+    for row, n in enumerate(seq_lens):
+        own = torch.randint(0, 4096, (n,))
+        if row <= 2:
+            own[:300] = shared_a
+        elif row <= 4:
+            own[:100] = shared_b
+        else:
+            own[:20] = shared_a[:20]
+        table[row, :n] = own
+    rows = list(range(len(seq_lens)))
+    batch = ForwardBatch(
+        mode=ForwardMode.DECODE, input_ids=torch.zeros(7, dtype=torch.int64), positions=torch.zeros(7),
+        out_cache_loc=table[rows, [n - 1 for n in seq_lens]], req_pool_indices=torch.tensor(rows),
+        req_pool_indices_cpu=rows, seq_lens=torch.tensor(seq_lens), seq_lens_cpu=seq_lens,
+        prefix_lens_cpu=[n - 1 for n in seq_lens], extend_lens_cpu=[1] * 7, logit_rows=torch.arange(7))
+    scale = 1 / math.sqrt(D)
+    backend = TorchNativeBackend(pool, table, scale)
+    backend.plan(batch)
+    assert backend._cascade is not None and len(backend._cascade.groups) == 2
+    q = torch.randn(7, HKV * GROUP * D)
+    # The new token's K/V: write what is already in its slot, so the pool is unchanged.
+    last = batch.out_cache_loc
+    k_new = pool.k_buffers[0][:, last].transpose(0, 1).clone()
+    v_new = pool.v_buffers[0][:, last].transpose(0, 1).clone()
+    got = backend.forward(q.view(7, -1, D), k_new, v_new, 0)
+    want = _reference(q, pool, rows, seq_lens, table, scale)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+    # With cascade disabled, the plain path gives the same numbers.
+    old = torch_native.CASCADE_MIN_PREFIX
+    torch_native.CASCADE_MIN_PREFIX = 10**9
+    try:
+        backend.plan(batch)
+        assert backend._cascade is None
+        plain = backend.forward(q.view(7, -1, D), k_new, v_new, 0)
+    finally:
+        torch_native.CASCADE_MIN_PREFIX = old
+    torch.testing.assert_close(plain, want, rtol=1e-4, atol=1e-5)
+
+
+def test_engine_outputs_unchanged_by_cascade(engine, monkeypatch):
+    """Prompts on a shared few-shot prefix decode together (cascade on) exactly as without it."""
+    prefix = "".join(f"Q: What is {i} plus {i}?\nA: {2 * i}\n" for i in range(1, 12))
+    prompts = [prefix + f"Q: What is {i} plus {i}?\nA:" for i in (20, 31, 42, 53)]
+    params = {"temperature": 0, "max_new_tokens": 12}
+    engine.generate(prompts[0], {"max_new_tokens": 0})  # cache the prefix: the batch shares its slots
+    calls = []
+    real_build = torch_native._CascadePlan.build
+    monkeypatch.setattr(torch_native._CascadePlan, "build",
+                        staticmethod(lambda *a: calls.append(real := real_build(*a)) or real))
+    with_cascade = [o["output_ids"] for o in engine.generate(prompts, params)]
+    assert any(plan is not None for plan in calls)
+    monkeypatch.setattr(torch_native, "CASCADE_MIN_PREFIX", 10**9)
+    engine.flush_cache()
+    without = [o["output_ids"] for o in engine.generate(prompts, params)]
+    assert with_cascade == without
