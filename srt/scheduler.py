@@ -59,11 +59,14 @@ class Scheduler:
         self.in_flight: list[Req] = []  # the batch of the forward being run
         self.compiling: list[Req] = []  # constrained requests whose grammar is not ready yet
         self.grammars = GrammarCache(self._make_grammar_backend, args.grammar_compile_timeout)
-        self._jump_forward = None  # built on the first constrained request
+        self._jump_forward = None  # built with the grammar backend
 
     def _make_grammar_backend(self):
+        """Runs in the compile worker on first use: both take a second or so to build."""
+        from radixlm.srt.constrained.jump_forward import JumpForward
         from radixlm.srt.constrained.xgrammar_backend import XGrammarBackend
 
+        self._jump_forward = JumpForward(self.tokenizer)
         return XGrammarBackend(self.tokenizer, self.config.vocab_size, self.eos_ids)
 
     def _eos_ids(self, loaded) -> tuple[int, ...]:
@@ -365,13 +368,12 @@ class Scheduler:
             return FinishReason("abort", message=f"internal error: token {token} violates the request's grammar")
         if req.grammar.is_terminated():
             return FinishReason("stop", matched=token)
-        if self.args.disable_jump_forward or req.logprob.return_logprob:
-            return None  # jumped tokens have no logprobs of their own
-        if self._jump_forward is None:
-            from radixlm.srt.constrained.jump_forward import JumpForward
-
-            self._jump_forward = JumpForward(self.tokenizer)
-        room = min(req.sampling_params.max_new_tokens - len(req.output_ids), self.context_len - req.seq_len)
+        sp = req.sampling_params
+        # Jumped tokens have no logprobs of their own, and stop strings are looked for near the
+        # newest token only: such requests decode every token.
+        if self.args.disable_jump_forward or req.logprob.return_logprob or sp.stop or sp.stop_regex:
+            return None
+        room = min(sp.max_new_tokens - len(req.output_ids), self.context_len - req.seq_len)
         jumped = self._jump_forward(req.output_ids, req.grammar, room)
         if jumped is not None:
             req.output_ids[-1:] = jumped
