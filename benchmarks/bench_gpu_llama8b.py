@@ -8,6 +8,7 @@ measured in the same run. Prints one JSON line per result and appends them to --
            requests (and radixlm on the same 128) as the in-run baseline; prefill/decode split
   shared_prefix  64 groups x 16 prompts (2048 shared + 256 unique, 128 out), shuffled, vs
            vLLM's 5759 output tok/s; the radix cache turned off as the in-run baseline
+  serve_ready  `radixlm serve` process start to /health and to a first /generate
   (always) Engine construction time (load, graphs) vs vLLM's 136 s start to ready
 
 Run on the H200 (see README, "GPU"):
@@ -305,6 +306,45 @@ def bench_shared_prefix(make_engine, rep: Reporter, num_groups: int, baseline_gr
         torch.cuda.empty_cache()
 
 
+def bench_serve_ready(rep: Reporter, tokenizer: str, timeout_s: float = 240.0) -> None:
+    """`radixlm serve` on the 8B shape: process start until /health answers and a first
+    /generate returns (imports, weights, KV pool, CUDA graphs, child processes included)."""
+    import socket
+    import subprocess
+    import urllib.request
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    start = time.perf_counter()
+    proc = subprocess.Popen([sys.executable, "-m", "radixlm.srt.launch", "--model-path", str(CONFIG), "--load-format",
+                             "dummy", "--tokenizer-path", tokenizer, "--port", str(port)])
+    base = f"http://127.0.0.1:{port}"
+    try:
+        healthy = None
+        while time.perf_counter() - start < timeout_s and proc.poll() is None:
+            try:
+                with urllib.request.urlopen(f"{base}/health", timeout=2) as r:
+                    if r.status == 200:
+                        healthy = time.perf_counter() - start
+                        break
+            except OSError:
+                time.sleep(0.25)
+        if healthy is None:
+            raise RuntimeError(f"server not ready after {timeout_s}s (exit code {proc.poll()})")
+        body = json.dumps({"text": "Hello", "sampling_params": {"max_new_tokens": 8, "ignore_eos": True}}).encode()
+        req = urllib.request.Request(f"{base}/generate", data=body, headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=60) as r:
+            assert r.status == 200
+        first = time.perf_counter() - start
+    finally:
+        proc.terminate()
+        proc.wait(30)
+    rep.emit({"bench": "gpu_serve_ready", "seconds_to_health": round(healthy, 1),
+              "seconds_to_first_generate": round(first, 1), "baseline": "vllm start to ready",
+              "vllm_seconds": VLLM["ready_s"], "ratio_vs_vllm": round(VLLM["ready_s"] / healthy, 2), "goal": "< 60 s"})
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--suites", default="decode,prefill,offline")
@@ -339,6 +379,11 @@ def main() -> None:
                       chunked_prefill_size=args.chunked_prefill_size, max_prefill_tokens=args.chunked_prefill_size,
                       page_size=args.page_size, disable_cuda_graph=args.disable_cuda_graph, **overrides)
 
+    if "serve_ready" in suites:
+        bench_serve_ready(rep, tokenizer)
+        suites.discard("serve_ready")
+        if not suites:
+            return
     if suites == {"shared_prefix"}:
         bench_shared_prefix(make_engine, rep, args.shared_prefix_groups, args.shared_prefix_baseline_groups)
         return
