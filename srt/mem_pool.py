@@ -81,6 +81,24 @@ class PageAllocator:
             slots.extend(range(page * ps, (page + 1) * ps))
         return slots[:new_len]
 
+    def alloc_one_each(self, seq_lens: list[int], last_slots: list[int] | None) -> list[int] | None:
+        """One slot for each of several requests (a decode step): the next slot of a request's
+        last page, or the first of a fresh page. `last_slots` may be None when page_size is 1.
+        Returns None (and takes nothing) when not enough pages are free."""
+        ps = self.page_size
+        free = self._free_pages
+        if ps == 1:
+            count = len(seq_lens)
+            if count > len(free):
+                return None
+            taken = free[len(free) - count:]
+            del free[len(free) - count:]
+            taken.reverse()  # the order repeated pops would give
+            return taken
+        if sum(1 for n in seq_lens if n % ps == 0) > len(free):
+            return None
+        return [last + 1 if n % ps else free.pop() * ps for n, last in zip(seq_lens, last_slots)]
+
     def free(self, slots: list[int]) -> None:
         """Frees the pages holding `slots` (a caller frees a page once, with any of its slots)."""
         if not slots:

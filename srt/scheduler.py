@@ -309,23 +309,37 @@ class Scheduler:
             self._retract(reqs.pop())
             self.new_token_ratio = min(1.0, self.new_token_ratio + RETRACT_RATIO_BUMP)
         self.new_token_ratio = max(MIN_NEW_TOKEN_RATIO, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY)
-        new_slots: list[list[int]] = []
-        for req in reqs:
-            got = self._alloc(req, req.seq_len - req.kv_len)
-            if got is None:
-                raise RuntimeError("the KV pool cannot hold one request; raise --max-total-tokens")
-            new_slots.append(got)
-        self.in_flight = reqs
-        if all(len(s) == 1 for s in new_slots):
-            batch = build_decode_batch(reqs, [s[0] for s in new_slots], self.device)
+        if all(r.seq_len - r.kv_len == 1 for r in reqs):
+            batch = build_decode_batch(reqs, self._alloc_one_each(reqs), self.device)
         else:  # jumped-forward requests feed several tokens: an extend batch, last row each
-            batch = build_extend_batch([ExtendPlan(r, r.kv_len, len(s), s, r.seq_len - 1, 1)
-                                        for r, s in zip(reqs, new_slots)], self.device)
+            plans = []
+            for req in reqs:
+                slots = self._alloc(req, req.seq_len - req.kv_len)
+                if slots is None:
+                    raise RuntimeError("the KV pool cannot hold one request; raise --max-total-tokens")
+                plans.append(ExtendPlan(req, req.kv_len, len(slots), slots, req.seq_len - 1, 1))
+            batch = build_extend_batch(plans, self.device)
+        self.in_flight = reqs
         logits = self.runner.forward(batch)
         for req in reqs:
             req.kv_len = req.seq_len
         self._sample_and_append(reqs, logits)
         return reqs
+
+    def _alloc_one_each(self, reqs: list[Req]) -> list[int]:
+        """A slot for each request's next token, in one allocator call and one table write
+        (per-request calls cost ~30 us each: 7 ms a step at 256 requests)."""
+        rows = torch.tensor([r.req_pool_idx for r in reqs])
+        cols = torch.tensor([r.kv_len for r in reqs])
+        table = self.req_pool.table
+        last = table[rows, cols - 1].tolist() if self.args.page_size > 1 else None
+        slots = self.allocator.alloc_one_each(cols.tolist(), last)
+        if slots is None:
+            raise RuntimeError("the KV pool cannot hold one request; raise --max-total-tokens")
+        table[rows, cols] = torch.tensor(slots)
+        for req in reqs:
+            req.alloc_len = req.kv_len + 1
+        return slots
 
     def _retract(self, req: Req) -> None:
         """Sends a running request back to waiting, freeing its KV; it resumes later by

@@ -54,3 +54,19 @@ def test_padding_requests_read_one_token_of_the_padding_page():
 
 def test_qo_indptr():
     assert qo_indptr_for([3, 1, 5]).tolist() == [0, 3, 4, 9]
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_alloc_one_each_continues_pages_like_alloc(page_size):
+    """The batched decode allocation takes the same slots as one `alloc` per request would."""
+    seq_lens = [1, page_size, 2 * page_size + 1, 3]
+    batched, single = PageAllocator(64, page_size), PageAllocator(64, page_size)
+    lasts = []
+    for n in seq_lens:  # identical histories: each request's first n tokens
+        a, b = batched.alloc(0, n, None), single.alloc(0, n, None)
+        assert a == b
+        lasts.append(a[-1])
+    got = batched.alloc_one_each(seq_lens, lasts)
+    want = [single.alloc(n, 1, last)[0] for n, last in zip(seq_lens, lasts)]
+    assert got == want and batched.available_size == single.available_size
+    assert PageAllocator(2 * page_size, page_size).alloc_one_each([page_size] * 3, [0, 0, 0]) is None
