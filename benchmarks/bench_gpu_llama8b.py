@@ -67,7 +67,7 @@ def measure_bandwidth() -> dict:
     read_s = timed(lambda: x.sum(dtype=torch.float32), 5)
     copy_s = timed(lambda: y.copy_(x), 5)
     nbytes = x.numel() * 2
-    del x, y
+    x = y = None  # free the 16 GiB before empty_cache (the lambdas above are done with them)
     torch.cuda.empty_cache()
     return {"read_tb_s": nbytes / read_s / 1e12, "copy_tb_s": 2 * nbytes / copy_s / 1e12}
 

@@ -6,8 +6,6 @@ import json
 import os
 from pathlib import Path
 
-import torch
-
 REPO = Path(__file__).resolve().parent.parent
 # The vocab-only GGUF lives in shared/ on development machines; the GPU machine gets a
 # converted copy carried in .whl/ (see README, "GPU").
