@@ -26,7 +26,7 @@ from radixlm.chat_template import ChatRenderer
 from radixlm.choices import ChoiceDecision, ChoicesMethod, TokenLogprobs
 from radixlm.http_client import DEFAULT_TIMEOUT_S, HttpClient
 from radixlm.sampling import SamplingParams
-from radixlm.tokenizer import ClientTokenizer, load_client_tokenizer
+from radixlm.tokenizer import ClientTokenizer, load_client_tokenizer, render_chat_template
 
 logger = logging.getLogger(__name__)
 
@@ -77,13 +77,20 @@ class RuntimeEndpoint(Backend):
             return self._tokenizer
 
     def get_chat_template(self) -> ChatRenderer:
+        name = f"chat template of {self.model_info.get('model_path')}"
         tok = self.tokenizer()
-        if tok is None:
-            raise BackendError(f"roles need the model's chat template, but its tokenizer is not available on this "
-                               f"machine ({self._tokenizer_error}); pass RuntimeEndpoint(..., tokenizer_path=...)")
-        if not tok.has_chat_template:
-            raise BackendError("roles need a chat template, and this model's tokenizer has none")
-        return ChatRenderer(tok.apply_chat_template, name=f"chat template of {self.model_info.get('model_path')}")
+        if tok is not None:
+            if not tok.has_chat_template:
+                raise BackendError("roles need a chat template, and this model's tokenizer has none")
+            return ChatRenderer(tok.apply_chat_template, name=name)
+        # No tokenizer here (a remote server): render the template the server reports.
+        template = self.model_info.get("chat_template")
+        if not template:
+            raise BackendError(f"roles need the model's chat template, but the server reports none and its tokenizer "
+                               f"is not available on this machine ({self._tokenizer_error})")
+        special = dict(self.model_info.get("special_tokens") or {})
+        return ChatRenderer(lambda messages, add_generation_prompt: render_chat_template(
+            template, special, messages, add_generation_prompt), name=name)
 
     # ---- generation ------------------------------------------------------------------------
 

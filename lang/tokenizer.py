@@ -58,11 +58,18 @@ class DirTokenizer:
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool) -> str:
         if self.chat_template is None:
             raise ValueError(f"the tokenizer in {self.path} has no chat template")
-        from transformers.utils.chat_template_utils import render_jinja_template
+        return render_chat_template(self.chat_template, self.special_tokens, messages, add_generation_prompt)
 
-        rendered, _ = render_jinja_template(conversations=[messages], chat_template=self.chat_template,
-                                            add_generation_prompt=add_generation_prompt, **self.special_tokens)
-        return rendered[0]
+
+def render_chat_template(template: str, special_tokens: dict[str, str], messages: list[dict[str, Any]],
+                         add_generation_prompt: bool) -> str:
+    """Renders a Jinja chat template as transformers' apply_chat_template does (same helpers,
+    same special-token variables), without loading a tokenizer."""
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    rendered, _ = render_jinja_template(conversations=[messages], chat_template=template,
+                                        add_generation_prompt=add_generation_prompt, **special_tokens)
+    return rendered[0]
 
 
 class HFTokenizer:

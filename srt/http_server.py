@@ -17,6 +17,7 @@ from radixlm.srt.tokenizer_manager import GenerateRequest, TokenizerManager, exp
 logger = logging.getLogger(__name__)
 
 MAX_REQUEST_BYTES = 32 * 2**20
+_SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 _OPEN_PATHS = {"/health"}  # reachable without the API key (load balancers probe it)
 _GENERATE_FIELDS = {"text", "input_ids", "sampling_params", "return_logprob", "logprob_start_len",
                     "top_logprobs_num", "return_text_in_logprobs", "stream", "rid"}
@@ -114,9 +115,14 @@ def create_app(state: ServerState, api_key: str | None) -> FastAPI:
 
     @app.get("/get_model_info")
     async def get_model_info() -> dict[str, Any]:
+        tok = state.tm.tokenizer
+        # The chat template and special tokens let a client without the tokenizer render roles
+        # exactly as /v1/chat/completions does.
+        special = {name: value for name in _SPECIAL_TOKEN_NAMES if isinstance(value := getattr(tok, name, None), str)}
         return {"model_path": state.model_path, "tokenizer_path": state.server_args.get("tokenizer_path"),
                 "is_generation": True, "context_length": state.tm.context_len,
-                "vocab_size": state.tm.model_config.vocab_size}
+                "vocab_size": state.tm.model_config.vocab_size,
+                "chat_template": getattr(tok, "chat_template", None), "special_tokens": special}
 
     @app.get("/get_server_info")
     async def get_server_info() -> Any:
