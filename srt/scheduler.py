@@ -153,7 +153,8 @@ class Scheduler:
         failed = self._poll_grammars() if self.compiling else []
         plans = self._plan_extend()
         if plans:
-            stepped = self._run_extend(plans)
+            riders = self._decode_riders() if self.args.enable_mixed_chunk else []
+            stepped = self._run_extend(plans, riders)
         elif self.running:
             stepped = self._run_decode()
         else:
@@ -264,9 +265,22 @@ class Scheduler:
             first = min(first, end - 1)
         return ExtendPlan(req, req.kv_len, extend_len, slots, first, max(0, end - first))
 
-    def _run_extend(self, plans: list[ExtendPlan]) -> list[Req]:
-        self.in_flight = [p.req for p in plans]
-        logits = self.runner.forward(build_extend_batch(plans, self.device))
+    def _decode_riders(self) -> list[ExtendPlan]:
+        """Running requests' next tokens, to ride along in this step's extend batch (mixed
+        chunk), so a long prefill does not stall every stream. None when KV is short: the
+        next decode step makes room by eviction or retraction instead."""
+        reqs = list(self.running)
+        needed = sum(self.allocator.slots_needed(r.kv_len, r.seq_len - r.kv_len) for r in reqs)
+        if not reqs or needed > self.allocator.available_size:
+            return []
+        if all(r.seq_len - r.kv_len == 1 for r in reqs):
+            return [ExtendPlan(r, r.kv_len, 1, [slot], r.kv_len, 1) for r, slot in zip(reqs, self._alloc_one_each(reqs))]
+        return [ExtendPlan(r, r.kv_len, len(slots), slots, r.seq_len - 1, 1)
+                for r in reqs if (slots := self._alloc(r, r.seq_len - r.kv_len)) is not None]
+
+    def _run_extend(self, plans: list[ExtendPlan], riders: list[ExtendPlan]) -> list[Req]:
+        self.in_flight = [p.req for p in plans + riders]
+        logits = self.runner.forward(build_extend_batch(plans + riders, self.device))
         done_prefill: list[tuple[Req, torch.Tensor]] = []
         offset = 0
         for plan in plans:
@@ -287,11 +301,15 @@ class Scheduler:
                 # decodes (other samples, other questions on the same few-shot prefix) hit it.
                 self._cache_unfinished(req)
                 done_prefill.append((req, rows[-1]))
-        out = [p.req for p in plans]
+        for plan in riders:  # decoding requests: their next token, nothing to cache
+            plan.req.kv_len = plan.req.seq_len
+            done_prefill.append((plan.req, logits[offset]))
+            offset += 1
+        out = [p.req for p in plans + riders]
         if done_prefill:
             reqs = [r for r, _ in done_prefill]
             self._sample_and_append(reqs, torch.stack([row for _, row in done_prefill]))
-            self.running.extend(r for r in reqs if not r.finished)
+            self.running.extend(r for r in reqs[:len(reqs) - len(riders)] if not r.finished)
         return out
 
     # ---- decode ----------------------------------------------------------------------------

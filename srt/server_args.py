@@ -23,6 +23,7 @@ class ServerArgs:
     schedule_policy: str = "lpm"  # lpm | fcfs
     disable_radix_cache: bool = False
     grammar_compile_timeout: float = 60.0  # seconds; a request whose grammar compiles longer fails alone
+    enable_mixed_chunk: bool = False  # decoding requests ride along in prefill steps (steadier streams)
     disable_jump_forward: bool = False  # constrained decoding: no skipping of grammar-forced text
     attention_backend: str = "auto"  # auto: flashinfer on CUDA (fp16/bf16), else torch_native
     disable_cuda_graph: bool = False  # decode CUDA graphs need the flashinfer backend
