@@ -65,7 +65,7 @@ def _mask_cost(engine, outs) -> dict:
 
     from radixlm.srt.constrained.spec import GrammarSpec
 
-    cache = engine.scheduler.grammars
+    cache = engine.scheduler.constraints.cache
     compiled = cache.submit(GrammarSpec("json_schema", json.dumps(LONG_ARRAY))).future.result()
     backend = cache.backend
     bitmask = backend.allocate_bitmask(16)

@@ -15,7 +15,7 @@ import torch
 
 from radixlm.radix import RadixCache, common_prefix_len
 from radixlm.srt.batch_builder import ExtendPlan, build_decode_batch, build_extend_batch
-from radixlm.srt.constrained.grammar_cache import GrammarCache
+from radixlm.srt.constrained.decoding import ConstrainedDecoding
 from radixlm.srt.finish import check_finished
 from radixlm.srt.logprobs import record_input_logprobs, record_output_logprob
 from radixlm.srt.mem_pool import PageAllocator, ReqToTokenPool
@@ -57,17 +57,8 @@ class Scheduler:
         self.chunked: Req | None = None  # a request whose prompt is being prefilled in chunks
         self.new_token_ratio = INIT_NEW_TOKEN_RATIO
         self.in_flight: list[Req] = []  # the batch of the forward being run
-        self.compiling: list[Req] = []  # constrained requests whose grammar is not ready yet
-        self.grammars = GrammarCache(self._make_grammar_backend, args.grammar_compile_timeout)
-        self._jump_forward = None  # built with the grammar backend
-
-    def _make_grammar_backend(self):
-        """Runs in the compile worker on first use: both take a second or so to build."""
-        from radixlm.srt.constrained.jump_forward import JumpForward
-        from radixlm.srt.constrained.xgrammar_backend import XGrammarBackend
-
-        self._jump_forward = JumpForward(self.tokenizer)
-        return XGrammarBackend(self.tokenizer, self.config.vocab_size, self.eos_ids)
+        self.constraints = ConstrainedDecoding(self.tokenizer, self.config.vocab_size, self.eos_ids,
+                                               args.grammar_compile_timeout, not args.disable_jump_forward)
 
     def _eos_ids(self, loaded) -> tuple[int, ...]:
         ids = set(self.config.eos_token_ids)
@@ -79,34 +70,14 @@ class Scheduler:
     # ---- requests in and out -------------------------------------------------------------
 
     def add_request(self, req: Req) -> None:
-        spec = req.sampling_params.grammar_spec
-        if spec is None:
+        if req.sampling_params.grammar_spec is None:
             self.waiting.append(req)
-        else:
-            req.pending_grammar = self.grammars.submit(spec)
-            self.compiling.append(req)
-
-    def _poll_grammars(self) -> list[Req]:
-        """Moves requests whose grammar compiled to waiting; returns those whose compile failed."""
-        failed = []
-        for req in list(self.compiling):
-            outcome = req.pending_grammar.result()
-            if outcome is None:
-                continue
-            self.compiling.remove(req)
-            compiled, error = outcome
-            req.pending_grammar = None
-            if error is not None:
-                req.finish_reason = FinishReason("abort", message=error)
-                failed.append(req)
-            else:
-                req.grammar = self.grammars.backend.new_matcher(compiled)
-                self.waiting.append(req)
-        return failed
+        else:  # it waits for its grammar without holding anyone back
+            self.constraints.submit(req)
 
     def abort(self, rid: str) -> Req | None:
         """Ends a request now: its KV is released and it leaves the queues at once."""
-        for queue in (self.waiting, self.compiling):
+        for queue in (self.waiting, self.constraints.compiling):
             for req in list(queue):
                 if req.rid == rid:
                     queue.remove(req)
@@ -124,9 +95,11 @@ class Scheduler:
 
     def abort_all(self, message: str) -> list[Req]:
         """Ends every request (after an internal error), releasing all their KV."""
-        reqs = list(self.waiting) + self.compiling + self.running + ([self.chunked] if self.chunked else [])
+        compiling = self.constraints.compiling
+        reqs = list(self.waiting) + compiling + self.running + ([self.chunked] if self.chunked else [])
         reqs += [r for r in self.in_flight if r not in reqs and not r.finished]
-        self.in_flight, self.compiling = [], []
+        self.in_flight = []
+        compiling.clear()
         self.waiting.clear()
         self.running, self.chunked = [], None
         for req in reqs:
@@ -144,13 +117,17 @@ class Scheduler:
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.compiling or self.chunked or any(not r.finished for r in self.running))
+        return bool(self.waiting or self.constraints.compiling or self.chunked
+                    or any(not r.finished for r in self.running))
 
     @torch.inference_mode()
     def step(self) -> list[Req]:
         """Runs one forward; returns the requests that produced a token or finished in it."""
         self.running = [r for r in self.running if not r.finished]  # aborted since the last step
-        failed = self._poll_grammars() if self.compiling else []
+        failed: list[Req] = []
+        if self.constraints.compiling:
+            ready, failed = self.constraints.poll()
+            self.waiting.extend(ready)
         plans = self._plan_extend()
         if plans:
             riders = self._decode_riders() if self.args.enable_mixed_chunk else []
@@ -159,8 +136,8 @@ class Scheduler:
             stepped = self._run_decode()
         else:
             stepped = []
-            if self.compiling and not failed:  # nothing to run but grammars to wait for: don't spin
-                self.compiling[0].pending_grammar.wait(GRAMMAR_POLL_S)
+            if not failed:  # nothing to run, perhaps grammars to wait for: don't spin
+                self.constraints.wait(GRAMMAR_POLL_S)
         stepped = failed + stepped
         # Finished requests leave at once, so has_work is exact between steps (flush_cache).
         self.running = [r for r in self.running if not r.finished]
@@ -372,44 +349,20 @@ class Scheduler:
         if any(r.logprob.return_logprob for r in reqs):
             logprobs = torch.log_softmax(logits, dim=-1)
         apply_penalties(logits, reqs, self.eos_ids)
-        constrained = [i for i, r in enumerate(reqs) if r.grammar is not None]
-        if constrained:
-            self._apply_grammar_masks(logits, reqs, constrained)
+        self.constraints.mask(logits, reqs)
         next_ids = sample(logits, reqs).tolist()
         for i, (req, token) in enumerate(zip(reqs, next_ids)):
             req.output_ids.append(token)
             if req.logprob.return_logprob:
                 record_output_logprob(req, logprobs[i], token)
-            reason = self._advance_grammar(req, token) if req.grammar is not None else None
+            reason = None
+            if req.grammar is not None:
+                room = min(req.sampling_params.max_new_tokens - len(req.output_ids), self.context_len - req.seq_len)
+                reason = self.constraints.advance(req, token, room)
             reason = reason or check_finished(req, self.eos_ids, self.context_len, self.tokenizer)
             if reason is not None:
                 req.finish_reason = reason
                 self._release(req)
-
-    def _apply_grammar_masks(self, logits: torch.Tensor, reqs: list[Req], rows: list[int]) -> None:
-        backend = self.grammars.backend
-        bitmask = backend.allocate_bitmask(len(reqs))
-        for row in rows:
-            reqs[row].grammar.fill_bitmask(bitmask, row)
-        backend.apply_bitmask(logits, bitmask, rows)
-
-    def _advance_grammar(self, req: Req, token: int) -> FinishReason | None:
-        """Feeds the sampled token to the request's matcher; ends the request when the grammar
-        is complete, else appends any text the grammar forces (jump-forward)."""
-        if not req.grammar.accept_token(token):
-            return FinishReason("abort", message=f"internal error: token {token} violates the request's grammar")
-        if req.grammar.is_terminated():
-            return FinishReason("stop", matched=token)
-        sp = req.sampling_params
-        # Jumped tokens have no logprobs of their own, and stop strings are looked for near the
-        # newest token only: such requests decode every token.
-        if self.args.disable_jump_forward or req.logprob.return_logprob or sp.stop or sp.stop_regex:
-            return None
-        room = min(sp.max_new_tokens - len(req.output_ids), self.context_len - req.seq_len)
-        jumped = self._jump_forward(req.output_ids, req.grammar, room)
-        if jumped is not None:
-            req.output_ids[-1:] = jumped
-        return None
 
     # ---- KV ownership --------------------------------------------------------------------------
 

@@ -3,7 +3,6 @@ sampled at temperature 1.0 (so the constraint, not the model, keeps it valid).""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 
 import jsonschema
@@ -103,7 +102,7 @@ def test_many_requests_share_one_compile(engine):
     schema = {"type": "object", "properties": {"k": {"type": "integer"}}, "required": ["k"], "title": "shared"}
     outs = engine.generate([f"Item {i}:" for i in range(8)], {"json_schema": schema, **SAMPLED})
     assert all(isinstance(json.loads(o["text"])["k"], int) for o in outs)
-    specs = [s for s in engine.scheduler.grammars._futures if "shared" in s.value]
+    specs = [s for s in engine.scheduler.constraints.cache._futures if "shared" in s.value]
     assert len(specs) == 1
 
 
@@ -133,8 +132,7 @@ def test_jump_forward_saves_steps_and_stays_valid(engine, monkeypatch):
     params = {"json_schema": schema, "temperature": 0, "max_new_tokens": 80}
     texts, steps = {}, {}
     for jump in (False, True):
-        monkeypatch.setattr(engine.scheduler, "args",
-                            dataclasses.replace(engine.scheduler.args, disable_jump_forward=not jump))
+        monkeypatch.setattr(engine.scheduler.constraints, "jump_forward", jump)
         forwards.clear()
         out = engine.generate("Describe a student as JSON:", params)
         texts[jump], steps[jump] = out["text"], len(forwards)
@@ -143,7 +141,7 @@ def test_jump_forward_saves_steps_and_stays_valid(engine, monkeypatch):
 
 
 def test_compile_timeout_fails_only_that_request(engine, monkeypatch):
-    monkeypatch.setattr(engine.scheduler.grammars, "timeout_s", 0.0)
+    monkeypatch.setattr(engine.scheduler.constraints.cache, "timeout_s", 0.0)
     outs = engine.generate(["Hello", "Hello"],
                            [{"regex": r"never-compiled-before-[0-9]{3}", "max_new_tokens": 8},
                             {"max_new_tokens": 4, "temperature": 0}])
