@@ -136,9 +136,14 @@ def _coerce(name: str, value: Any) -> Any:
                 json.loads(value)
             except json.JSONDecodeError as e:
                 raise ValueError(f"sampling_params.json_schema: not valid JSON: {e}") from None
+            except RecursionError:
+                raise ValueError("sampling_params.json_schema: nested too deeply") from None
             return value
         _check(isinstance(value, (dict, bool)), name, "must be a JSON schema (an object, or its JSON text)")
-        return json.dumps(value)
+        try:
+            return json.dumps(value)
+        except RecursionError:
+            raise ValueError("sampling_params.json_schema: nested too deeply") from None
     if name == "choices":
         ok = isinstance(value, (list, tuple)) and value and all(isinstance(c, str) and c for c in value)
         _check(bool(ok), name, "must be a non-empty list of non-empty strings")

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 KINDS = ("regex", "json_schema", "ebnf", "choices")
+MAX_SCHEMA_DEPTH = 128  # nesting beyond this is refused before any recursive code sees it
 
 # Keywords xgrammar parses but does not enforce (each checked against a violating instance):
 # accepting them would let invalid output through while claiming the schema holds.
@@ -41,10 +42,12 @@ class GrammarSpec:
 
 def check_json_schema(schema: Any, field: str = "json_schema") -> None:
     """Raises ValueError naming the first keyword that would not be enforced."""
-    _walk(schema, field)
+    _walk(schema, field, 0)
 
 
-def _walk(node: Any, path: str) -> None:
+def _walk(node: Any, path: str, depth: int) -> None:
+    if depth > MAX_SCHEMA_DEPTH:
+        raise ValueError(f"{path.split('.')[0]}: the schema nests deeper than {MAX_SCHEMA_DEPTH} levels")
     if isinstance(node, bool):
         return
     if not isinstance(node, dict):
@@ -64,15 +67,15 @@ def _walk(node: Any, path: str) -> None:
         raise ValueError(f"{path}: the JSON-schema keyword 'allOf' with more than one schema cannot be enforced")
     for key in _SUBSCHEMA_KEYS:
         if isinstance(node.get(key), (dict, bool)):
-            _walk(node[key], f"{path}.{key}")
+            _walk(node[key], f"{path}.{key}", depth + 1)
     for key in _SCHEMA_LIST_KEYS:
         for i, sub in enumerate(node.get(key) or []):
-            _walk(sub, f"{path}.{key}[{i}]")
+            _walk(sub, f"{path}.{key}[{i}]", depth + 1)
     for key in _SCHEMA_MAP_KEYS:
         sub_map = node.get(key)
         if isinstance(sub_map, dict):
             for name, sub in sub_map.items():
-                _walk(sub, f"{path}.{key}.{name}")
+                _walk(sub, f"{path}.{key}.{name}", depth + 1)
 
 
 def choices_to_ebnf(choices: list[str]) -> str:
