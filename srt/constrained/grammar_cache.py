@@ -14,7 +14,7 @@ from typing import Any, Callable
 from radixlm.srt.constrained.backend import GrammarBackend
 from radixlm.srt.constrained.spec import GrammarSpec
 
-CACHE_ENTRIES = 256
+CACHE_ENTRIES = 64  # compiled grammars kept here; a big regex compiles to a few MB
 
 
 class GrammarCache:

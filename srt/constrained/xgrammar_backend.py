@@ -14,6 +14,7 @@ from radixlm.srt.constrained.spec import GrammarSpec, choices_to_ebnf
 # JSON output is one line with ", " and ": " separators: whitespace cannot run away until
 # max_tokens, and keys and punctuation become fixed text that jump-forward can skip.
 JSON_FORMAT = {"any_whitespace": False, "strict_mode": True}
+COMPILER_CACHE_BYTES = 256 * 2**20
 
 
 class XGrammarMatcher(GrammarMatcher):
@@ -40,7 +41,8 @@ class XGrammarBackend(GrammarBackend):
     def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: Sequence[int], num_threads: int = 2):
         info = xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
                                                        stop_token_ids=list(stop_token_ids))
-        self._compiler = xgrammar.GrammarCompiler(info, max_threads=num_threads)
+        # xgrammar's own cache is unbounded by default: a server sees endless distinct schemas.
+        self._compiler = xgrammar.GrammarCompiler(info, max_threads=num_threads, cache_limit_bytes=COMPILER_CACHE_BYTES)
         self.vocab_size = vocab_size
 
     def compile(self, spec: GrammarSpec) -> xgrammar.CompiledGrammar:
