@@ -38,16 +38,16 @@ class ModelRunner:
         # .to(device) too: rotary tables are built on the host (fp64 math) whatever the device.
         self.model.to(device=self.device, dtype=self.dtype).eval()
         self.kv_pool = KVPool(num_kv_slots, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self.dtype, self.device)
-        self.attention_backend = resolve_attention_backend(args.attention_backend, self.device, self.dtype)
+        self.attention_backend_name = resolve_attention_backend(args.attention_backend, self.device, self.dtype)
         self.attn_backend = self._make_backend(req_to_token)
         self.graph_runner = self._make_graph_runner(req_to_token)
         logger.info("model ready on %s (%s, %s attention, %s ops, CUDA graphs %s) in %.1fs, %d KV slots",
-                    self.device, self.dtype, self.attention_backend, self.ops.name,
+                    self.device, self.dtype, self.attention_backend_name, self.ops.name,
                     "on" if self.graph_runner else "off", time.perf_counter() - start, num_kv_slots)
 
     def _make_backend(self, req_to_token: torch.Tensor) -> AttentionBackend:
         scale = 1.0 / math.sqrt(self.config.head_dim)
-        if self.attention_backend == "torch_native":
+        if self.attention_backend_name == "torch_native":
             from radixlm.srt.attention.torch_native import TorchNativeBackend
 
             return TorchNativeBackend(self.kv_pool, req_to_token, scale)
@@ -58,7 +58,7 @@ class ModelRunner:
                                  cfg.head_dim, scale, self.dtype)
 
     def _make_graph_runner(self, req_to_token: torch.Tensor):
-        if self.args.disable_cuda_graph or self.attention_backend != "flashinfer":
+        if self.args.disable_cuda_graph or self.attention_backend_name != "flashinfer":
             return None
         from radixlm.srt.cuda_graph_runner import CudaGraphRunner
 

@@ -83,7 +83,7 @@ def test_defaults_on_cuda_are_flashinfer_bf16_with_graphs(config_path):
                     max_running_requests=4)
     try:
         runner = engine.scheduler.runner
-        assert runner.attention_backend == "flashinfer" and runner.dtype == torch.bfloat16
+        assert runner.attention_backend_name == "flashinfer" and runner.dtype == torch.bfloat16
         assert runner.graph_runner is not None and runner.graph_runner.buckets == [1, 2, 4]
         assert runner.ops.name == "triton"
         out = engine.generate("The capital of France is", {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True})
