@@ -53,7 +53,7 @@ def test_cascade_matches_plain_attention_for_mixed_groups():
     scale = 1 / math.sqrt(D)
     backend = TorchNativeBackend(pool, table, scale)
     backend.plan(batch)
-    assert backend._cascade is not None and len(backend._cascade.groups) == 2
+    assert isinstance(backend._decode, torch_native._CascadePlan) and len(backend._decode.groups) == 2
     q = torch.randn(7, HKV * GROUP * D)
     # The new token's K/V: write what is already in its slot, so the pool is unchanged.
     last = batch.out_cache_loc
@@ -68,7 +68,7 @@ def test_cascade_matches_plain_attention_for_mixed_groups():
     torch_native.CASCADE_MIN_PREFIX = 10**9
     try:
         backend.plan(batch)
-        assert backend._cascade is None
+        assert isinstance(backend._decode, torch_native._PlainDecode)
         plain = backend.forward(q.view(7, -1, D), k_new, v_new, 0)
     finally:
         torch_native.CASCADE_MIN_PREFIX = old
@@ -91,3 +91,49 @@ def test_engine_outputs_unchanged_by_cascade(engine, monkeypatch):
     engine.flush_cache()
     without = [o["output_ids"] for o in engine.generate(prompts, params)]
     assert with_cascade == without
+
+
+def test_extend_batch_with_riding_decodes_matches_plain_attention():
+    """An extend batch mixing one-token requests (decodes riding along, sharing a prefix) with
+    a chunk over a cached prefix and a fresh prompt: every row equals causal attention."""
+    torch.manual_seed(1)
+    pool = KVPool(4096, 1, HKV, D, torch.float32, "cpu")
+    pool.k_buffers[0].normal_()
+    pool.v_buffers[0].normal_()
+    table = torch.zeros(8, 1024, dtype=torch.int64)
+    shared = torch.randperm(4000)[:200]
+    # (row, prefix_len, extend_len): two riders on a shared prefix, a chunk, a fresh prompt.
+    layout = [(0, 250, 1), (1, 230, 1), (2, 50, 5), (3, 0, 4)]
+    for row, prefix, new in layout:
+        slots = torch.randint(1, 4096, (prefix + new,))
+        if row <= 1:
+            slots[:200] = shared
+        table[row, :prefix + new] = slots
+    rows = [r for r, _, _ in layout]
+    seq_lens = [p + n for _, p, n in layout]
+    total = sum(n for _, _, n in layout)
+    out_loc = torch.cat([table[r, p:p + n] for r, p, n in layout])
+    batch = ForwardBatch(
+        mode=ForwardMode.EXTEND, input_ids=torch.zeros(total, dtype=torch.int64), positions=torch.zeros(total),
+        out_cache_loc=out_loc, req_pool_indices=torch.tensor(rows), req_pool_indices_cpu=rows,
+        seq_lens=torch.tensor(seq_lens), seq_lens_cpu=seq_lens, prefix_lens_cpu=[p for _, p, _ in layout],
+        extend_lens_cpu=[n for _, _, n in layout], logit_rows=torch.arange(total))
+    scale = 1 / math.sqrt(D)
+    backend = TorchNativeBackend(pool, table, scale)
+    backend.plan(batch)
+    assert isinstance(backend._decode, torch_native._CascadePlan)
+    q = torch.randn(total, HKV * GROUP, D)
+    k_new = pool.k_buffers[0][:, out_loc].transpose(0, 1).clone()  # what the slots already hold
+    v_new = pool.v_buffers[0][:, out_loc].transpose(0, 1).clone()
+    got = backend.forward(q, k_new, v_new, 0)
+    start = 0
+    for row, prefix, new in layout:
+        slots = table[row, :prefix + new]
+        k = pool.k_buffers[0][:, slots].repeat_interleave(GROUP, dim=0)
+        v = pool.v_buffers[0][:, slots].repeat_interleave(GROUP, dim=0)
+        qi = q[start:start + new].transpose(0, 1)  # [H, new, D]
+        scores = (qi @ k.transpose(-1, -2)) * scale
+        causal = torch.arange(prefix + new)[None, :] <= torch.arange(prefix, prefix + new)[:, None]
+        want = torch.softmax(scores.masked_fill(~causal, float("-inf")), dim=-1) @ v
+        torch.testing.assert_close(got[start:start + new], want.transpose(0, 1).reshape(new, -1), rtol=1e-4, atol=1e-5)
+        start += new

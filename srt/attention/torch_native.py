@@ -1,9 +1,10 @@
 """Reference attention in plain torch (any device): gathers each request's K/V from the pool.
 
-Decode batches where requests share a long cached prefix (few-shot examples, a system prompt,
-the trunk of a fork: the radix cache gives them the very same KV slots) use cascade attention:
-the shared prefix is read once per group, not once per request, and merged with each request's
-own suffix through their softmax statistics.
+One-token requests (a decode batch, or decodes riding in an extend batch) attend together;
+longer extends attend one by one. One-token requests that share a long cached prefix (few-shot
+examples, a system prompt, the trunk of a fork: the radix cache gives them the very same KV
+slots) use cascade attention: the shared prefix is read once per group, not once per request,
+and merged with each request's own suffix through their softmax statistics.
 """
 
 from __future__ import annotations
@@ -28,62 +29,53 @@ class TorchNativeBackend(AttentionBackend):
         self.req_to_token = req_to_token
         self.scale = scale
         self._batch: ForwardBatch | None = None
-        self._decode_slots: torch.Tensor | None = None  # [B, max_len]
-        self._decode_mask: torch.Tensor | None = None  # [B, 1, 1, max_len] or None
+        # One-token requests (all of a decode batch; decodes riding in an extend batch), and
+        # the token rows they own in this forward.
+        self._decode: _PlainDecode | _CascadePlan | None = None
+        self._decode_rows: torch.Tensor | None = None
+        # Longer extends, one by one: (start row, new tokens, KV slots of the sequence, mask).
         self._extend_plan: list[tuple[int, int, torch.Tensor | None, torch.Tensor | None]] = []
-        self._cascade: _CascadePlan | None = None
 
     def plan(self, batch: ForwardBatch) -> None:
         self._batch = batch
-        if batch.is_decode:
-            max_len = max(batch.seq_lens_cpu)
-            device = batch.seq_lens.device
-            host_slots = self.req_to_token[batch.req_pool_indices_cpu, :max_len]
-            self._cascade = _CascadePlan.build(host_slots, batch.seq_lens_cpu, device)
-            if self._cascade is not None:
-                return
-            self._decode_slots = host_slots.to(device)
-            if min(batch.seq_lens_cpu) == max_len:
-                self._decode_mask = None
-            else:
-                cols = torch.arange(max_len, device=batch.seq_lens.device)
-                self._decode_mask = (cols[None, :] < batch.seq_lens[:, None])[:, None, None, :]
-            return
-        # Extend: per request, (start row, new tokens, KV slots of the whole sequence, mask).
+        device = batch.seq_lens.device
         self._extend_plan = []
-        start = 0
-        rows = batch.req_pool_indices_cpu
-        for row, prefix_len, extend_len in zip(rows, batch.prefix_lens_cpu, batch.extend_lens_cpu):
+        starts = [0]
+        for extend_len in batch.extend_lens_cpu:
+            starts.append(starts[-1] + extend_len)
+        single = [i for i, (p, n) in enumerate(zip(batch.prefix_lens_cpu, batch.extend_lens_cpu)) if n == 1 and p > 0]
+        self._decode = self._decode_rows = None
+        if single:
+            rows = [batch.req_pool_indices_cpu[i] for i in single]
+            seq_lens = [batch.seq_lens_cpu[i] for i in single]
+            host_slots = self.req_to_token[rows, :max(seq_lens)]
+            self._decode = (_CascadePlan.build(host_slots, seq_lens, device)
+                            or _PlainDecode(host_slots.to(device), seq_lens, device))
+            self._decode_rows = torch.tensor([starts[i] for i in single], device=device)
+        single_set = set(single)
+        for i, (row, prefix_len, extend_len) in enumerate(zip(batch.req_pool_indices_cpu, batch.prefix_lens_cpu,
+                                                              batch.extend_lens_cpu)):
+            if i in single_set:
+                continue
             if prefix_len == 0:
-                self._extend_plan.append((start, extend_len, None, None))
+                self._extend_plan.append((starts[i], extend_len, None, None))
             else:
                 seq_len = prefix_len + extend_len
-                slots = self.req_to_token[row, :seq_len].to(batch.seq_lens.device)
-                q_pos = torch.arange(prefix_len, seq_len, device=slots.device)
-                mask = torch.arange(seq_len, device=slots.device)[None, :] <= q_pos[:, None]
-                self._extend_plan.append((start, extend_len, slots, mask))
-            start += extend_len
+                slots = self.req_to_token[row, :seq_len].to(device)
+                q_pos = torch.arange(prefix_len, seq_len, device=device)
+                mask = torch.arange(seq_len, device=device)[None, :] <= q_pos[:, None]
+                self._extend_plan.append((starts[i], extend_len, slots, mask))
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int) -> torch.Tensor:
         batch = self._batch
         self.kv_pool.store(layer_id, batch.out_cache_loc, k, v)
         k_buf = self.kv_pool.k_buffers[layer_id]
         v_buf = self.kv_pool.v_buffers[layer_id]
-        if batch.is_decode and self._cascade is not None:
-            return self._cascade.attend(q, k_buf, v_buf, self.scale)
-        if batch.is_decode:
-            # One query per request: fold each KV head's query group into the query-length axis,
-            # so SDPA sees plain multi-head attention ([B, Hkv, group, D] against [B, Hkv, L, D]).
-            num_reqs, max_len = self._decode_slots.shape
-            flat = self._decode_slots.reshape(-1)
-            num_kv_heads, head_dim = k.shape[1], k.shape[2]
-            # [Hkv, B*L, D] -> [B, Hkv, L, D] as a strided view (SDPA reads it without a copy).
-            keys = k_buf.index_select(1, flat).view(num_kv_heads, num_reqs, max_len, head_dim).transpose(0, 1)
-            values = v_buf.index_select(1, flat).view(num_kv_heads, num_reqs, max_len, head_dim).transpose(0, 1)
-            grouped_q = q.view(num_reqs, num_kv_heads, -1, head_dim).to(keys.dtype)
-            out = F.scaled_dot_product_attention(grouped_q, keys, values, attn_mask=self._decode_mask, scale=self.scale)
-            return out.reshape(num_reqs, -1).to(q.dtype)
-        outs = []
+        if not self._extend_plan:  # a decode batch, or an extend batch of one-token requests
+            return self._decode.attend(q, k_buf, v_buf, self.scale)
+        out = q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
+        if self._decode is not None:
+            out[self._decode_rows] = self._decode.attend(q[self._decode_rows], k_buf, v_buf, self.scale)
         for start, extend_len, slots, mask in self._extend_plan:
             # SDPA on CPU is only fast for contiguous [heads, tokens, head_dim] inputs.
             qi = q[start:start + extend_len].transpose(0, 1).contiguous()
@@ -95,15 +87,39 @@ class TorchNativeBackend(AttentionBackend):
                 ki = k_buf.index_select(1, slots).to(q.dtype)  # [Hkv, seq_len, D]
                 vi = v_buf.index_select(1, slots).to(q.dtype)
                 oi = _sdpa(qi, ki, vi, attn_mask=mask, scale=self.scale)
-            outs.append(oi.transpose(0, 1).reshape(extend_len, -1))
-        return torch.cat(outs) if len(outs) > 1 else outs[0]
+            out[start:start + extend_len] = oi.transpose(0, 1).reshape(extend_len, -1)
+        return out
+
+
+class _PlainDecode:
+    """One query per request against its own gathered K/V."""
+
+    def __init__(self, slots: torch.Tensor, seq_lens: list[int], device: torch.device):
+        self.slots = slots  # [B, max_len]
+        max_len = slots.shape[1]
+        self.mask = None  # [B, 1, 1, max_len] when lengths differ
+        if min(seq_lens) != max_len:
+            cols = torch.arange(max_len, device=device)
+            self.mask = (cols[None, :] < torch.tensor(seq_lens, device=device)[:, None])[:, None, None, :]
+
+    def attend(self, q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, scale: float) -> torch.Tensor:
+        # Fold each KV head's query group into the query-length axis, so SDPA sees plain
+        # multi-head attention ([B, Hkv, group, D] against [B, Hkv, L, D]).
+        num_reqs, max_len = self.slots.shape
+        flat = self.slots.reshape(-1)
+        num_kv_heads, head_dim = k_buf.shape[0], k_buf.shape[2]
+        # [Hkv, B*L, D] -> [B, Hkv, L, D] as a strided view (SDPA reads it without a copy).
+        keys = k_buf.index_select(1, flat).view(num_kv_heads, num_reqs, max_len, head_dim).transpose(0, 1)
+        values = v_buf.index_select(1, flat).view(num_kv_heads, num_reqs, max_len, head_dim).transpose(0, 1)
+        grouped_q = q.reshape(num_reqs, num_kv_heads, -1, head_dim).to(keys.dtype)
+        out = F.scaled_dot_product_attention(grouped_q, keys, values, attn_mask=self.mask, scale=scale)
+        return out.reshape(num_reqs, -1).to(q.dtype)
 
 
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs) -> torch.Tensor:
     """SDPA for one request's [heads, tokens, head_dim] tensors. A leading batch axis matters:
     on CPU, 3-D inputs take the slow math kernel and 4-D ones the flash kernel (3-5x faster)."""
     return F.scaled_dot_product_attention(q[None], k[None], v[None], enable_gqa=True, **kwargs)[0]
-
 
 
 class _CascadePlan:
@@ -156,7 +172,7 @@ class _CascadePlan:
     def attend(self, q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, scale: float) -> torch.Tensor:
         num_reqs, width = self.suffix_slots.shape
         num_kv_heads, head_dim = k_buf.shape[0], k_buf.shape[2]
-        queries = q.view(num_reqs, num_kv_heads, -1, head_dim).float()  # [B, Hkv, group, D]
+        queries = q.reshape(num_reqs, num_kv_heads, -1, head_dim).float()  # [B, Hkv, group, D]
         flat = self.suffix_slots.reshape(-1)
         keys = k_buf.index_select(1, flat).view(num_kv_heads, num_reqs, width, head_dim).transpose(0, 1)
         values = v_buf.index_select(1, flat).view(num_kv_heads, num_reqs, width, head_dim).transpose(0, 1)
