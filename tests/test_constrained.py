@@ -52,7 +52,7 @@ SCHEMAS = {
     },
     "array_of_objects": {
         "type": "array", "minItems": 1, "maxItems": 3,
-        "items": {"type": "object", "properties": {"id": {"type": "integer", "minimum": 0},
+        "items": {"type": "object", "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 9999},
                                                    "ok": {"type": "boolean"}}, "required": ["id", "ok"]},
     },
 }
@@ -99,7 +99,8 @@ def test_mixed_batch_keeps_unconstrained_requests_unchanged(engine):
 
 
 def test_many_requests_share_one_compile(engine):
-    schema = {"type": "object", "properties": {"k": {"type": "integer"}}, "required": ["k"], "title": "shared"}
+    schema = {"type": "object", "properties": {"k": {"type": "integer", "minimum": -999, "maximum": 999}},
+              "required": ["k"], "title": "shared"}
     outs = engine.generate([f"Item {i}:" for i in range(8)], {"json_schema": schema, **SAMPLED})
     assert all(isinstance(json.loads(o["text"])["k"], int) for o in outs)
     specs = [s for s in engine.scheduler.constraints.cache._futures if "shared" in s.value]
