@@ -55,7 +55,8 @@ def test_native_stream_of_a_constrained_output(server):
 
 
 def test_concurrent_requests_share_a_grammar_and_mix_with_plain_ones(server):
-    schema = {"type": "object", "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 9999}, "ok": {"type": "boolean"}},
+    schema = {"type": "object",
+              "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 9999}, "ok": {"type": "boolean"}},
               "required": ["id", "ok"]}
 
     async def run():
