@@ -51,8 +51,10 @@ class SamplingParams:
         return self.temperature == 0.0 or self.top_k == 1
 
     @classmethod
-    def from_dict(cls, params: dict[str, Any] | None, vocab_size: int | None = None) -> "SamplingParams":
-        """Validates a user's dict; every error is a ValueError naming the field."""
+    def from_dict(cls, params: dict[str, Any] | None, vocab_size: int | None = None,
+                  check_grammar: bool = True) -> "SamplingParams":
+        """Validates a user's dict; every error is a ValueError naming the field. Without
+        `check_grammar` a constraint spec is not parsed (where requests arrive already checked)."""
         if params is not None and not isinstance(params, dict):
             raise ValueError("sampling_params: must be an object")
         params = dict(params or {})
@@ -65,10 +67,10 @@ class SamplingParams:
             if f.name in params and params[f.name] is not None:
                 values[f.name] = _coerce(f.name, params[f.name])
         sp = cls(**values)
-        sp.validate(vocab_size)
+        sp.validate(vocab_size, check_grammar)
         return sp
 
-    def validate(self, vocab_size: int | None = None) -> None:
+    def validate(self, vocab_size: int | None = None, check_grammar: bool = True) -> None:
         _check(self.max_new_tokens >= 0, "max_new_tokens", "must be >= 0")
         _check(self.temperature >= 0.0, "temperature", "must be >= 0")
         _check(0.0 < self.top_p <= 1.0, "top_p", "must be in (0, 1]")
@@ -89,14 +91,14 @@ class SamplingParams:
                 regex.compile(pattern)
             except regex.error as e:
                 raise ValueError(f"sampling_params.stop_regex: invalid pattern {pattern!r}: {e}") from None
-        self._validate_constraint()
+        self._validate_constraint(check_grammar)
 
-    def _validate_constraint(self) -> None:
+    def _validate_constraint(self, check_grammar: bool) -> None:
         given = [name for name in CONSTRAINT_FIELDS if getattr(self, name) is not None]
         _check(len(given) <= 1, given[-1] if given else "regex",
                f"only one of {', '.join(CONSTRAINT_FIELDS)} may be given (got {', '.join(given)})")
         spec = self.grammar_spec
-        if spec is None:
+        if spec is None or not check_grammar:
             return
         if spec.kind == "json_schema":
             check_json_schema(json.loads(spec.value), "sampling_params.json_schema")

@@ -250,10 +250,7 @@ class Scheduler:
         needed = sum(self.allocator.slots_needed(r.kv_len, r.seq_len - r.kv_len) for r in reqs)
         if not reqs or needed > self.allocator.available_size:
             return []
-        if all(r.seq_len - r.kv_len == 1 for r in reqs):
-            return [ExtendPlan(r, r.kv_len, 1, [slot], r.kv_len, 1) for r, slot in zip(reqs, self._alloc_one_each(reqs))]
-        return [ExtendPlan(r, r.kv_len, len(slots), slots, r.seq_len - 1, 1)
-                for r in reqs if (slots := self._alloc(r, r.seq_len - r.kv_len)) is not None]
+        return self._next_token_plans(reqs)
 
     def _run_extend(self, plans: list[ExtendPlan], riders: list[ExtendPlan]) -> list[Req]:
         self.in_flight = [p.req for p in plans + riders]
@@ -304,15 +301,10 @@ class Scheduler:
             self._retract(reqs.pop())
             self.new_token_ratio = min(1.0, self.new_token_ratio + RETRACT_RATIO_BUMP)
         self.new_token_ratio = max(MIN_NEW_TOKEN_RATIO, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY)
-        if all(r.seq_len - r.kv_len == 1 for r in reqs):
-            batch = build_decode_batch(reqs, self._alloc_one_each(reqs), self.device)
+        plans = self._next_token_plans(reqs)
+        if all(p.extend_len == 1 for p in plans):
+            batch = build_decode_batch(reqs, [p.slots[0] for p in plans], self.device)
         else:  # jumped-forward requests feed several tokens: an extend batch, last row each
-            plans = []
-            for req in reqs:
-                slots = self._alloc(req, req.seq_len - req.kv_len)
-                if slots is None:
-                    raise RuntimeError("the KV pool cannot hold one request; raise --max-total-tokens")
-                plans.append(ExtendPlan(req, req.kv_len, len(slots), slots, req.seq_len - 1, 1))
             batch = build_extend_batch(plans, self.device)
         self.in_flight = reqs
         logits = self.runner.forward(batch)
@@ -320,6 +312,19 @@ class Scheduler:
             req.kv_len = req.seq_len
         self._sample_and_append(reqs, logits)
         return reqs
+
+    def _next_token_plans(self, reqs: list[Req]) -> list[ExtendPlan]:
+        """KV slots for the tokens each running request feeds next (its last sampled one, or
+        several after a jump-forward), as one-logit extend plans. The caller made room."""
+        if all(r.seq_len - r.kv_len == 1 for r in reqs):
+            return [ExtendPlan(r, r.kv_len, 1, [slot], r.kv_len, 1) for r, slot in zip(reqs, self._alloc_one_each(reqs))]
+        plans = []
+        for req in reqs:
+            slots = self._alloc(req, req.seq_len - req.kv_len)
+            if slots is None:
+                raise RuntimeError("the KV pool cannot hold one request; raise --max-total-tokens")
+            plans.append(ExtendPlan(req, req.kv_len, len(slots), slots, req.seq_len - 1, 1))
+        return plans
 
     def _alloc_one_each(self, reqs: list[Req]) -> list[int]:
         """A slot for each request's next token, in one allocator call and one table write

@@ -90,7 +90,10 @@ class SchedulerLoop:
 
     def _add(self, msg: TokenizedGenerateReq) -> None:
         try:
-            sp = SamplingParams.from_dict(msg.sampling_params, vocab_size=self.scheduler.config.vocab_size)
+            # The main process parsed any grammar already; parsing it again here would stall the
+            # loop (and a bad spec still fails alone, in the compile worker).
+            sp = SamplingParams.from_dict(msg.sampling_params, vocab_size=self.scheduler.config.vocab_size,
+                                          check_grammar=False)
         except ValueError as e:  # the main process validates; this guards a bad peer
             req = Req(rid=msg.rid, origin_input_ids=msg.input_ids, sampling_params=SamplingParams())
             req.finish_reason = FinishReason("abort", message=str(e))

@@ -44,9 +44,6 @@ class GrammarCache:
     def _compile(self, spec: GrammarSpec) -> Any:
         return self.backend.compile(spec)
 
-    def shutdown(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
-
 
 class PendingGrammar:
     """A request's view of its compile: done, failed (with a message), or still waiting."""

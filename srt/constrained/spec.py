@@ -12,7 +12,6 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-KINDS = ("regex", "json_schema", "ebnf", "choices")
 MAX_SCHEMA_DEPTH = 128  # nesting beyond this is refused before any recursive code sees it
 
 # Keywords xgrammar parses but does not enforce (each checked against a violating instance):
