@@ -54,12 +54,18 @@ def build_extend_batch(plans: list[ExtendPlan], device: torch.device) -> Forward
     )
 
 
-def build_decode_batch(reqs: list[Req], slots: list[int], device: torch.device) -> ForwardBatch:
-    """Each request feeds its last output token, whose KV goes to `slots[i]`."""
+def build_decode_batch(reqs: list[Req], slots: list[int], device: torch.device,
+                       last_tokens: torch.Tensor | None = None) -> ForwardBatch:
+    """Each request feeds its newest token, whose KV goes to `slots[i]`: its last output token,
+    or, when `last_tokens` (the newest sampled token per table row, on the device) is given,
+    that one, which may not have reached the host yet (overlap scheduling)."""
     seq_lens = [r.kv_len + 1 for r in reqs]
     rows = [r.req_pool_idx for r in reqs]
-    ids, pos, loc, req_idx, lens, logits = _to_device(device, [r.output_ids[-1] for r in reqs], [r.kv_len for r in reqs],
+    host_ids = [r.output_ids[-1] for r in reqs] if last_tokens is None else [0] * len(reqs)
+    ids, pos, loc, req_idx, lens, logits = _to_device(device, host_ids, [r.kv_len for r in reqs],
                                                       slots, rows, seq_lens, range(len(reqs)))
+    if last_tokens is not None:
+        ids = last_tokens[req_idx]
     return ForwardBatch(
         mode=ForwardMode.DECODE,
         input_ids=ids,
@@ -76,8 +82,9 @@ def build_decode_batch(reqs: list[Req], slots: list[int], device: torch.device) 
 
 
 def _to_device(device: torch.device, *columns) -> list[torch.Tensor]:
-    """int64 tensors on `device` for each list, through one host-to-device copy (each copy
-    from pageable memory is a synchronous round trip of ~10 us on a GPU)."""
+    """int64 tensors on `device` for each list, through one host-to-device copy. Non-blocking:
+    CUDA stages pageable memory before returning, and a blocking copy would wait for every
+    step still running on the device (overlap scheduling builds a batch while one runs)."""
     lens = [len(c) for c in columns]
-    flat = torch.tensor([v for c in columns for v in c], dtype=torch.int64).to(device)
+    flat = torch.tensor([v for c in columns for v in c], dtype=torch.int64).to(device, non_blocking=True)
     return list(flat.split(lens))

@@ -43,6 +43,9 @@ class Req:
     finish_reason: FinishReason | None = None
     grammar: Any = None  # GrammarMatcher once the request's grammar compiled
     pending_grammar: Any = None  # PendingGrammar while it compiles
+    # Tokens sampled on the device but not yet in output_ids: with overlap scheduling a step's
+    # tokens reach the host while the next step runs (at most one between steps).
+    pending_tokens: int = 0
 
     # KV ownership. Slots of tokens [0, kv_len) are in the req-to-token row; of those,
     # [0, cached_len) belong to the radix tree (locked through `last_node`).
@@ -66,6 +69,11 @@ class Req:
     @property
     def seq_len(self) -> int:
         return len(self.origin_input_ids) + len(self.output_ids)
+
+    @property
+    def total_len(self) -> int:
+        """seq_len with the pending token: the position after the one the next step feeds."""
+        return self.seq_len + self.pending_tokens
 
     @property
     def finished(self) -> bool:

@@ -47,8 +47,7 @@ def sample(logits: torch.Tensor, reqs: Sequence[SamplingRequest]) -> torch.Tenso
     greedy = [p.is_greedy for p in params]
     if all(greedy):
         return logits.argmax(dim=-1)
-    temps = torch.tensor([1.0 if g else p.temperature for p, g in zip(params, greedy)],
-                         device=logits.device, dtype=logits.dtype)
+    temps = _on_device([1.0 if g else p.temperature for p, g in zip(params, greedy)], logits.device, logits.dtype)
     probs = torch.softmax(logits / temps[:, None], dim=-1)
     if any(p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0 for p in params):
         probs = _filter_probs(probs, params)
@@ -63,7 +62,7 @@ def sample(logits: torch.Tensor, reqs: Sequence[SamplingRequest]) -> torch.Tenso
         else:
             free_rows.append(row)
     if free_rows:
-        rows = torch.tensor(free_rows, device=logits.device)
+        rows = _on_device(free_rows, logits.device, torch.int64)
         next_ids[rows] = torch.multinomial(probs[rows], 1)[:, 0]
     return next_ids
 
@@ -72,9 +71,9 @@ def _filter_probs(probs: torch.Tensor, params: Sequence[SamplingParams]) -> torc
     """Zeroes tokens outside top-k, outside the top-p nucleus, or below min_p * max prob."""
     sorted_probs, order = probs.sort(dim=-1, descending=True)
     dev = probs.device
-    top_k = torch.tensor([p.top_k if p.top_k > 0 else probs.shape[-1] for p in params], device=dev)
-    top_p = torch.tensor([p.top_p for p in params], device=dev, dtype=probs.dtype)
-    min_p = torch.tensor([p.min_p for p in params], device=dev, dtype=probs.dtype)
+    top_k = _on_device([p.top_k if p.top_k > 0 else probs.shape[-1] for p in params], dev, torch.int64)
+    top_p = _on_device([p.top_p for p in params], dev, probs.dtype)
+    min_p = _on_device([p.min_p for p in params], dev, probs.dtype)
     ranks = torch.arange(probs.shape[-1], device=dev)[None, :]
     drop = ranks >= top_k[:, None]
     # Keep a token while the mass before it is below top_p (the first token always stays).
@@ -82,6 +81,12 @@ def _filter_probs(probs: torch.Tensor, params: Sequence[SamplingParams]) -> torc
     drop |= sorted_probs < min_p[:, None] * sorted_probs[:, :1]
     sorted_probs = sorted_probs.masked_fill(drop, 0.0)
     return torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
+
+
+def _on_device(values: list, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """A small host list on the device without waiting for the device to catch up (a blocking
+    copy would; overlap scheduling samples while the host is a step ahead)."""
+    return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
 
 
 def make_generator(seed: int | None, device: torch.device | str) -> torch.Generator | None:

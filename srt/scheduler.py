@@ -3,6 +3,15 @@
 Each `step()` runs at most one forward: an extend batch when waiting requests fit (prefill
 has priority), otherwise one decode step for every running request. Requests join and leave
 the running batch between steps (continuous batching).
+
+Overlap scheduling (on by default on CUDA): a step is launched before the previous step's
+sampled tokens are read back, so the host work between steps (reading tokens, finishing
+requests, sending outputs, building and planning the next batch) runs while the device
+computes. A decode step feeds each request's newest token straight from the device
+(`last_tokens`); requests that will surely finish (max_new_tokens, context length) are left
+out, and one that stops on EOS or a stop string computes one token that is dropped. Requests
+whose next step depends on their newest token on the host (grammars, penalties, logprobs)
+make their steps run in lockstep.
 """
 
 from __future__ import annotations
@@ -23,6 +32,7 @@ from radixlm.srt.model_runner import ModelRunner, kv_slots_for
 from radixlm.srt.request import FinishReason, Req
 from radixlm.srt.sampler import apply_penalties, sample
 from radixlm.srt.server_args import ServerArgs
+from radixlm.srt.token_transfer import SampledStep, TokenTransfer
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +69,12 @@ class Scheduler:
         self.in_flight: list[Req] = []  # the batch of the forward being run
         self.constraints = ConstrainedDecoding(self.tokenizer, self.config.vocab_size, self.eos_ids,
                                                args.grammar_compile_timeout, not args.disable_jump_forward)
+        # Overlap gains nothing where the forward itself runs on the host (CPU).
+        self.overlap = device.type == "cuda" and not args.disable_overlap_schedule
+        self.sampled: SampledStep | None = None  # launched, tokens not read back yet
+        self.last_tokens = torch.zeros(args.max_running_requests, dtype=torch.int64, device=device)  # per table row
+        self._transfer = TokenTransfer(device)
+        self._appended: list[Req] = []  # requests that got tokens or finished since step() began
 
     def _eos_ids(self, loaded) -> tuple[int, ...]:
         ids = set(self.config.eos_token_ids)
@@ -99,6 +115,7 @@ class Scheduler:
         reqs = list(self.waiting) + compiling + self.running + ([self.chunked] if self.chunked else [])
         reqs += [r for r in self.in_flight if r not in reqs and not r.finished]
         self.in_flight = []
+        self.sampled = None  # its tokens are dropped with their requests
         compiling.clear()
         self.waiting.clear()
         self.running, self.chunked = [], None
@@ -110,6 +127,8 @@ class Scheduler:
 
     def flush_cache(self) -> bool:
         """Drops the whole radix cache; refused (False) while requests hold parts of it."""
+        if self.sampled is not None and all(r.finished for r in self.sampled.reqs):
+            self._read_sampled()  # only tokens of finished requests, to be dropped
         if self.has_work:
             return False
         self.tree.reset()
@@ -117,31 +136,37 @@ class Scheduler:
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.constraints.compiling or self.chunked
+        return bool(self.waiting or self.constraints.compiling or self.chunked or self.sampled is not None
                     or any(not r.finished for r in self.running))
 
     @torch.inference_mode()
     def step(self) -> list[Req]:
         """Runs one forward; returns the requests that produced a token or finished in it."""
         self.running = [r for r in self.running if not r.finished]  # aborted since the last step
+        self._appended = []
         failed: list[Req] = []
         if self.constraints.compiling:
             ready, failed = self.constraints.poll()
             self.waiting.extend(ready)
+        if self.sampled is not None and (self.sampled.needs_host_tokens or self.args.enable_mixed_chunk):
+            self._read_sampled()  # the next step needs those tokens on the host
+        stepped: list[Req] = []
+        launched = None
         plans = self._plan_extend()
         if plans:
             riders = self._decode_riders() if self.args.enable_mixed_chunk else []
-            stepped = self._run_extend(plans, riders)
+            stepped, launched = self._run_extend(plans, riders)
         elif self.running:
-            stepped = self._run_decode()
-        else:
-            stepped = []
-            if not failed:  # nothing to run, perhaps grammars to wait for: don't spin
-                self.constraints.wait(GRAMMAR_POLL_S)
-        stepped = failed + stepped
+            launched = self._run_decode()
+        elif self.sampled is None and not failed:  # nothing to run, perhaps grammars to wait for: don't spin
+            self.constraints.wait(GRAMMAR_POLL_S)
+        self._read_sampled()  # the previous step's tokens, read while this one runs
+        self.sampled = launched
+        if launched is not None and (not self.overlap or launched.needs_host_tokens):
+            self._read_sampled()
         # Finished requests leave at once, so has_work is exact between steps (flush_cache).
         self.running = [r for r in self.running if not r.finished]
-        return stepped
+        return list(dict.fromkeys(failed + stepped + self._appended))
 
     # ---- extend ----------------------------------------------------------------------------
 
@@ -246,13 +271,15 @@ class Scheduler:
         """Running requests' next tokens, to ride along in this step's extend batch (mixed
         chunk), so a long prefill does not stall every stream. None when KV is short: the
         next decode step makes room by eviction or retraction instead."""
-        reqs = list(self.running)
+        reqs = [r for r in self.running if not r.finished]
         needed = sum(self.allocator.slots_needed(r.kv_len, r.seq_len - r.kv_len) for r in reqs)
         if not reqs or needed > self.allocator.available_size:
             return []
         return self._next_token_plans(reqs)
 
-    def _run_extend(self, plans: list[ExtendPlan], riders: list[ExtendPlan]) -> list[Req]:
+    def _run_extend(self, plans: list[ExtendPlan], riders: list[ExtendPlan]) -> tuple[list[Req], SampledStep | None]:
+        """Returns the batch's requests (prompt chunks report input logprobs) and the sampling
+        of those whose prompt completed, plus the riders."""
         self.in_flight = [p.req for p in plans + riders]
         logits = self.runner.forward(build_extend_batch(plans + riders, self.device))
         done_prefill: list[tuple[Req, torch.Tensor]] = []
@@ -276,47 +303,67 @@ class Scheduler:
                 self._cache_unfinished(req)
                 done_prefill.append((req, rows[-1]))
         for plan in riders:  # decoding requests: their next token, nothing to cache
-            plan.req.kv_len = plan.req.seq_len
+            plan.req.kv_len = plan.req.total_len
             done_prefill.append((plan.req, logits[offset]))
             offset += 1
         out = [p.req for p in plans + riders]
+        sampled = None
         if done_prefill:
             reqs = [r for r, _ in done_prefill]
-            self._sample_and_append(reqs, torch.stack([row for _, row in done_prefill]))
+            sampled = self._sample(reqs, torch.stack([row for _, row in done_prefill]))
             self.running.extend(r for r in reqs[:len(reqs) - len(riders)] if not r.finished)
-        return out
+        return out, sampled
 
     # ---- decode ----------------------------------------------------------------------------
 
-    def _run_decode(self) -> list[Req]:
-        reqs = list(self.running)
+    def _run_decode(self) -> SampledStep | None:
+        # Requests whose pending token surely ends them sit this step out.
+        reqs = [r for r in self.running if not self._ends_with_pending_token(r)]
+        if not reqs:
+            return None
         # Make room for the new tokens (one each, more after a jump-forward): evict from the
         # tree, then retract the newest requests.
         while True:
-            needed = sum(self.allocator.slots_needed(r.kv_len, r.seq_len - r.kv_len) for r in reqs)
+            needed = sum(self.allocator.slots_needed(r.kv_len, r.total_len - r.kv_len) for r in reqs)
             if needed > self.allocator.available_size:
                 self.tree.evict(needed - self.allocator.available_size)
-            if needed <= self.allocator.available_size or len(reqs) == 1:
+            if needed <= self.allocator.available_size or len(reqs) <= 1:
                 break
+            if self.sampled is not None:
+                # Its tokens may end requests (freeing KV), and a retracted request must take
+                # its pending token along.
+                self._read_sampled()
+                reqs = [r for r in reqs if not r.finished]
+                continue
             self._retract(reqs.pop())
             self.new_token_ratio = min(1.0, self.new_token_ratio + RETRACT_RATIO_BUMP)
+        if not reqs:
+            return None
         self.new_token_ratio = max(MIN_NEW_TOKEN_RATIO, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY)
         plans = self._next_token_plans(reqs)
         if all(p.extend_len == 1 for p in plans):
-            batch = build_decode_batch(reqs, [p.slots[0] for p in plans], self.device)
+            # Pending tokens are on the device only; every newest token is in last_tokens.
+            from_device = any(r.pending_tokens for r in reqs)
+            batch = build_decode_batch(reqs, [p.slots[0] for p in plans], self.device,
+                                       self.last_tokens if from_device else None)
         else:  # jumped-forward requests feed several tokens: an extend batch, last row each
             batch = build_extend_batch(plans, self.device)
         self.in_flight = reqs
         logits = self.runner.forward(batch)
         for req in reqs:
-            req.kv_len = req.seq_len
-        self._sample_and_append(reqs, logits)
-        return reqs
+            req.kv_len = req.total_len
+        return self._sample(reqs, logits)
+
+    def _ends_with_pending_token(self, req: Req) -> bool:
+        if not req.pending_tokens:
+            return False
+        limit = req.sampling_params.max_new_tokens
+        return len(req.output_ids) + req.pending_tokens >= limit or req.total_len >= self.context_len
 
     def _next_token_plans(self, reqs: list[Req]) -> list[ExtendPlan]:
         """KV slots for the tokens each running request feeds next (its last sampled one, or
         several after a jump-forward), as one-logit extend plans. The caller made room."""
-        if all(r.seq_len - r.kv_len == 1 for r in reqs):
+        if all(r.total_len - r.kv_len == 1 for r in reqs):
             return [ExtendPlan(r, r.kv_len, 1, [slot], r.kv_len, 1) for r, slot in zip(reqs, self._alloc_one_each(reqs))]
         plans = []
         for req in reqs:
@@ -350,16 +397,35 @@ class Scheduler:
 
     # ---- sampling and finishing --------------------------------------------------------------
 
-    def _sample_and_append(self, reqs: list[Req], logits: torch.Tensor) -> None:
+    def _sample(self, reqs: list[Req], logits: torch.Tensor) -> SampledStep:
+        """Samples every request's next token on the device and starts copying them to the host."""
+        logprobs = None
         if any(r.logprob.return_logprob for r in reqs):
             logprobs = torch.log_softmax(logits, dim=-1)
         apply_penalties(logits, reqs, self.eos_ids)
         self.constraints.mask(logits, reqs)
-        next_ids = sample(logits, reqs).tolist()
-        for i, (req, token) in enumerate(zip(reqs, next_ids)):
+        next_ids = sample(logits, reqs)
+        if self.overlap:
+            rows = torch.tensor([r.req_pool_idx for r in reqs]).to(self.device, non_blocking=True)
+            self.last_tokens[rows] = next_ids
+        for req in reqs:
+            req.pending_tokens += 1
+        return SampledStep(reqs, self._transfer.start(next_ids), logprobs,
+                           any(_needs_host_tokens(r) for r in reqs))
+
+    def _read_sampled(self) -> None:
+        """Appends the launched step's tokens (waiting for them) and finishes requests they end."""
+        step, self.sampled = self.sampled, None
+        if step is None:
+            return
+        for i, (req, token) in enumerate(zip(step.reqs, step.tokens())):
+            req.pending_tokens -= 1
+            if req.finished:  # aborted, or ended by the token before: this one is dropped
+                continue
+            self._appended.append(req)
             req.output_ids.append(token)
             if req.logprob.return_logprob:
-                record_output_logprob(req, logprobs[i], token)
+                record_output_logprob(req, step.logprobs[i], token)
             reason = None
             if req.grammar is not None:
                 room = min(req.sampling_params.max_new_tokens - len(req.output_ids), self.context_len - req.seq_len)
@@ -411,6 +477,7 @@ class Scheduler:
     def _aligned(self, length: int) -> int:
         return length - length % self.args.page_size
 
+
     # ---- introspection ---------------------------------------------------------------------------
 
     def server_info(self) -> dict[str, Any]:
@@ -434,3 +501,12 @@ class Scheduler:
         capacity = self.allocator.capacity
         return {"capacity": capacity, "free": free, "evictable": evictable, "protected": protected,
                 "held_by_requests": held, "leaked": capacity - free - evictable - protected - held}
+
+
+def _needs_host_tokens(req: Req) -> bool:
+    """Whether a request's next step reads its newest token on the host: a grammar masks by it,
+    penalties and min_new_tokens count it, logprobs are read from its step's logits."""
+    sp = req.sampling_params
+    return (req.grammar is not None or req.logprob.return_logprob or bool(sp.frequency_penalty)
+            or bool(sp.presence_penalty) or sp.repetition_penalty != 1.0
+            or len(req.output_ids) + req.pending_tokens < sp.min_new_tokens)

@@ -26,7 +26,9 @@ class ServerArgs:
     enable_mixed_chunk: bool = False  # decoding requests ride along in prefill steps (steadier streams)
     disable_jump_forward: bool = False  # constrained decoding: no skipping of grammar-forced text
     attention_backend: str = "auto"  # auto: flashinfer on CUDA (fp16/bf16), else torch_native
+    disable_overlap_schedule: bool = False  # CUDA: run each step's host work while the previous step computes
     disable_cuda_graph: bool = False  # decode CUDA graphs need the flashinfer backend
+    disable_cascade_attention: bool = False  # decode reads a shared prefix once per request, not per group
     cuda_graph_max_bs: int = 256  # largest decode batch replayed from a graph (capped by max_running_requests)
     mem_fraction_static: float = 0.88  # GPU memory share for weights + KV pool (the rest: activations, graphs)
     random_seed: int = 0
