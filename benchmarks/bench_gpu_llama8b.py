@@ -207,26 +207,36 @@ def run_hf_baseline(rep: Reporter, prompts, out_lens, num: int = 128) -> float:
 
 
 class StepTimer:
-    """Wraps the runner's forward to split wall time into extend, decode and everything else."""
+    """Wraps the runner's forward to split a run into device time spent in extend forwards, in
+    decode forwards, and the rest (sampling, and the device idling while the host works).
+
+    CUDA events, not host clocks: synchronizing after each forward would stop the scheduler
+    from preparing the next step while this one runs (overlap scheduling)."""
 
     def __init__(self, runner):
         self.runner, self.inner = runner, runner.forward
-        self.seconds = {"extend": 0.0, "decode": 0.0}
-        self.steps = {"extend": 0, "decode": 0}
+        self.events: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
         runner.forward = self
 
     def __call__(self, batch):
-        start = time.perf_counter()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
         out = self.inner(batch)
-        torch.cuda.synchronize()  # the scheduler syncs right after anyway (sampled ids to host)
-        kind = "decode" if batch.is_decode else "extend"
-        self.seconds[kind] += time.perf_counter() - start
-        self.steps[kind] += 1
+        end.record()
+        self.events.append(("decode" if batch.is_decode else "extend", start, end))
         return out
 
+    def split(self) -> tuple[dict[str, float], dict[str, int]]:
+        """(device seconds, steps) per kind, for the forwards since the last reset."""
+        torch.cuda.synchronize()
+        seconds, steps = {"extend": 0.0, "decode": 0.0}, {"extend": 0, "decode": 0}
+        for kind, start, end in self.events:
+            seconds[kind] += start.elapsed_time(end) / 1e3
+            steps[kind] += 1
+        return seconds, steps
+
     def reset(self):
-        self.seconds = {k: 0.0 for k in self.seconds}
-        self.steps = {k: 0 for k in self.steps}
+        self.events = []
 
 
 def bench_offline(engine, rep: Reporter, prompts, out_lens, hf_tok_s: float | None) -> None:
@@ -243,15 +253,26 @@ def bench_offline(engine, rep: Reporter, prompts, out_lens, hf_tok_s: float | No
         return seconds
 
     run(16)  # warm-up
+    sched = engine.scheduler
+    if sched.overlap:  # what overlap scheduling gains, on the first 128 requests
+        sched.overlap = False
+        lockstep = run(128)
+        sched.overlap = True
+        overlapped = run(128)
+        rep.emit({"bench": "gpu_offline_overlap", "requests": 128, "overlap_s": round(overlapped, 2),
+                  "baseline": "same engine, overlap scheduling off", "lockstep_s": round(lockstep, 2),
+                  "speedup": round(lockstep / overlapped, 3)})
     for n in (128, len(prompts)):
         seconds = run(n)
+        device_s, steps = timer.split()
         out_tokens, in_tokens = sum(out_lens[:n]), sum(len(p) for p in prompts[:n])
         line = {"bench": "gpu_offline", "system": "radixlm_engine", "requests": n, "seconds": round(seconds, 2),
                 "output_tok_s": round(out_tokens / seconds, 1),
                 "total_tok_s": round((out_tokens + in_tokens) / seconds, 1),
-                "split_s": {"extend": round(timer.seconds["extend"], 2), "decode": round(timer.seconds["decode"], 2),
-                            "scheduler_and_sampling": round(seconds - sum(timer.seconds.values()), 2)},
-                "steps": dict(timer.steps)}
+                "split_s": {"extend_forward_device": round(device_s["extend"], 2),
+                            "decode_forward_device": round(device_s["decode"], 2),
+                            "sampling_and_device_idle": round(seconds - sum(device_s.values()), 2)},
+                "steps": steps, "overlap_schedule": sched.overlap}
         if hf_tok_s:
             line.update(baseline="hf_transformers_generate first 128 requests",
                         ratio_vs_hf=round(out_tokens / seconds / hf_tok_s, 2))
@@ -357,6 +378,7 @@ def main() -> None:
     parser.add_argument("--chunked-prefill-size", type=int, default=16384)
     parser.add_argument("--page-size", type=int, default=1)
     parser.add_argument("--disable-cuda-graph", action="store_true")
+    parser.add_argument("--disable-overlap-schedule", action="store_true")
     parser.add_argument("--shared-prefix-groups", type=int, default=64)
     parser.add_argument("--shared-prefix-baseline-groups", type=int, default=16,
                         help="groups for the radix-cache-off baseline (a rate is compared)")
@@ -377,7 +399,8 @@ def main() -> None:
         return Engine(str(CONFIG), load_format="dummy", tokenizer_path=tokenizer,
                       max_running_requests=args.max_running_requests, cuda_graph_max_bs=args.cuda_graph_max_bs,
                       chunked_prefill_size=args.chunked_prefill_size, max_prefill_tokens=args.chunked_prefill_size,
-                      page_size=args.page_size, disable_cuda_graph=args.disable_cuda_graph, **overrides)
+                      page_size=args.page_size, disable_cuda_graph=args.disable_cuda_graph,
+                      disable_overlap_schedule=args.disable_overlap_schedule, **overrides)
 
     if "serve_ready" in suites:
         bench_serve_ready(rep, tokenizer)
