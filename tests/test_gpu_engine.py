@@ -25,20 +25,22 @@ def _prompts() -> list[list[int]]:
     return prompts
 
 
-def _run(config_path: str, **kwargs) -> list[dict]:
+def _run(config_path: str, logprobs: bool = True, **kwargs) -> list[dict]:
+    """Requests with logprobs run their steps in lockstep; without, overlapped (the default)."""
     from radixlm.srt import Engine
 
     engine = Engine(config_path, load_format="dummy", tokenizer_path=llama3_tokenizer_path(), max_total_tokens=32768,
                     max_running_requests=16, **kwargs)
     params = {"temperature": 0, "max_new_tokens": NEW_TOKENS, "ignore_eos": True}
+    lp = {"return_logprob": True, "top_logprobs_num": 2} if logprobs else {}
     try:
         prompts = _prompts()
         # Twice: the second pass hits the radix cache for every prompt (prefix reuse + decode).
-        outs = engine.generate(input_ids=prompts, sampling_params=params, return_logprob=True, top_logprobs_num=2)
-        outs += engine.generate(input_ids=prompts[::-1], sampling_params=params, return_logprob=True,
-                                top_logprobs_num=2)[::-1]
+        outs = engine.generate(input_ids=prompts, sampling_params=params, **lp)
+        outs += engine.generate(input_ids=prompts[::-1], sampling_params=params, **lp)[::-1]
         assert all(o["meta_info"]["completion_tokens"] == NEW_TOKENS for o in outs)
         assert any(o["meta_info"]["cached_tokens"] > 0 for o in outs)
+        assert engine.scheduler.kv_stats()["leaked"] == 0
         return outs
     finally:
         engine.shutdown()
@@ -88,5 +90,33 @@ def test_defaults_on_cuda_are_flashinfer_bf16_with_graphs(config_path):
         assert runner.ops.name == "triton"
         out = engine.generate("The capital of France is", {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True})
         assert out["meta_info"]["completion_tokens"] == 8
+    finally:
+        engine.shutdown()
+
+
+@pytest.mark.parametrize("kwargs", [{}, {"disable_cuda_graph": True}], ids=["cuda-graph", "eager"])
+def test_overlap_schedule_keeps_greedy_outputs(config_path, reference, kwargs):
+    _assert_same_greedy(reference, _run(config_path, logprobs=False, **kwargs))
+
+
+def test_overlap_schedule_stops_at_a_stop_token(config_path, reference):
+    """A request that stops on a token has one more step launched before the host sees it: that
+    token is dropped and its memory freed."""
+    from radixlm.srt import Engine
+
+    engine = Engine(config_path, load_format="dummy", tokenizer_path=llama3_tokenizer_path(), max_total_tokens=32768,
+                    max_running_requests=16)
+    try:
+        assert engine.scheduler.overlap
+        prompts = _prompts()
+        refs = reference[:len(prompts)]
+        stops = [ref["output_ids"][10] for ref in refs]
+        params = [{"temperature": 0, "max_new_tokens": NEW_TOKENS, "stop_token_ids": [t]} for t in stops]
+        outs = engine.generate(input_ids=prompts, sampling_params=params)
+        for ref, out, stop in zip(refs, outs, stops):
+            want = ref["output_ids"][:ref["output_ids"].index(stop) + 1]
+            if first_divergence(want, out["output_ids"]) is None:
+                assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
+        assert engine.scheduler.kv_stats()["leaked"] == 0 and not engine.scheduler.has_work
     finally:
         engine.shutdown()

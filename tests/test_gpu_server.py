@@ -46,3 +46,24 @@ def test_openai_client_completions_on_gpu(gpu_server):
     assert len("".join(chunk.choices[0].text for chunk in stream if chunk.choices)) > 0
     info = gpu_server.client().get("/get_server_info").json()
     assert info["kv"]["leaked"] == 0
+
+
+def test_aborted_stream_frees_its_memory_on_gpu(gpu_server):
+    """With overlap scheduling a step is in flight when the client goes away."""
+    import time
+
+    import httpx
+
+    body = {"text": "Tell me everything. " * 10, "sampling_params": {"max_new_tokens": 3000, "ignore_eos": True},
+            "stream": True}
+    with httpx.stream("POST", f"{gpu_server.base_url}/generate", json=body, timeout=60) as resp:
+        for i, _ in enumerate(resp.iter_lines()):
+            if i >= 5:
+                break
+    deadline = time.time() + 30
+    while True:
+        info = gpu_server.client().get("/get_server_info").json()
+        if info["num_running_reqs"] == 0 or time.time() > deadline:
+            break
+        time.sleep(0.2)
+    assert info["num_running_reqs"] == 0 and info["kv"]["leaked"] == 0
