@@ -16,10 +16,10 @@ from radixlm.srt.sampling_params import SamplingParams
 @pytest.fixture
 def overlapped(engine):
     sched = engine.scheduler
-    assert not sched.overlap  # CPU default
+    default = sched.overlap  # off on CPU
     sched.overlap = True
     yield engine
-    sched.overlap = False
+    sched.overlap = default
     assert sched.sampled is None and not sched.has_work
 
 
