@@ -9,25 +9,23 @@ and merged with each request's own suffix through their softmax statistics.
 
 from __future__ import annotations
 
-from collections import defaultdict
-
 import torch
 import torch.nn.functional as F
 
 from radixlm.srt.attention.base import AttentionBackend
+from radixlm.srt.attention.cascade_groups import CASCADE_MIN_PREFIX, find_groups
 from radixlm.srt.forward_batch import ForwardBatch
 from radixlm.srt.mem_pool import KVPool
 
-# Requests sharing fewer KV slots than this are attended one by one (no cascade).
-CASCADE_MIN_PREFIX = 64
-
 
 class TorchNativeBackend(AttentionBackend):
-    def __init__(self, kv_pool: KVPool, req_to_token: torch.Tensor, scale: float):
-        """req_to_token: the host table (ReqToTokenPool.table); rows are copied per batch."""
+    def __init__(self, kv_pool: KVPool, req_to_token: torch.Tensor, scale: float, cascade: bool = True):
+        """req_to_token: the host table (ReqToTokenPool.table); rows are copied per batch.
+        cascade: False attends every one-token request on its own (--disable-cascade-attention)."""
         self.kv_pool = kv_pool
         self.req_to_token = req_to_token
         self.scale = scale
+        self.cascade = cascade
         self._batch: ForwardBatch | None = None
         # One-token requests (all of a decode batch; decodes riding in an extend batch), and
         # the token rows they own in this forward.
@@ -49,7 +47,7 @@ class TorchNativeBackend(AttentionBackend):
             rows = [batch.req_pool_indices_cpu[i] for i in single]
             seq_lens = [batch.seq_lens_cpu[i] for i in single]
             host_slots = self.req_to_token[rows, :max(seq_lens)]
-            self._decode = (_CascadePlan.build(host_slots, seq_lens, device)
+            self._decode = ((self.cascade and _CascadePlan.build(host_slots, seq_lens, device))
                             or _PlainDecode(host_slots.to(device), seq_lens, device))
             self._decode_rows = torch.tensor([starts[i] for i in single], device=device)
         single_set = set(single)
@@ -133,33 +131,14 @@ class _CascadePlan:
 
     @classmethod
     def build(cls, slots: torch.Tensor, seq_lens: list[int], device: torch.device) -> "_CascadePlan | None":
-        """Groups requests that share at least CASCADE_MIN_PREFIX KV slots; None when none do.
-
-        A cached slot's KV depends on every token before it, so requests holding the same slot
-        at position CASCADE_MIN_PREFIX - 1 share all the slots up to it: that slot is the key."""
-        key_pos = CASCADE_MIN_PREFIX - 1
-        by_key: dict[int, list[int]] = defaultdict(list)
-        if slots.shape[1] > key_pos:
-            for i, key in enumerate(slots[:, key_pos].tolist()):
-                if seq_lens[i] > CASCADE_MIN_PREFIX:
-                    by_key[key].append(i)
-        prefix_of = [0] * len(seq_lens)
-        groups = []
-        for members in by_key.values():
-            if len(members) < 2:
-                continue
-            # Every request keeps at least its newest token (its own slot) in the suffix.
-            limit = min(seq_lens[i] for i in members) - 1
-            rows = slots[members, :limit]
-            same = (rows == rows[:1]).all(dim=0)
-            shared = limit if bool(same.all()) else int(same.to(torch.int8).argmin())
-            if shared < CASCADE_MIN_PREFIX:
-                continue
-            groups.append((torch.tensor(members, device=device), slots[members[0], :shared].to(device)))
-            for i in members:
-                prefix_of[i] = shared
-        if not groups:
+        """Groups requests that share at least CASCADE_MIN_PREFIX KV slots (see
+        cascade_groups.find_groups); None when none do. slots: [B, max_len] host rows."""
+        found = find_groups(slots, range(len(seq_lens)), seq_lens, CASCADE_MIN_PREFIX)
+        if found is None:
             return None
+        groups = [(torch.tensor(g.members, device=device), slots[g.members[0], :g.prefix_len].to(device))
+                  for g in found.groups]
+        prefix_of = found.prefix_lens
         suffix_lens = [n - p for n, p in zip(seq_lens, prefix_of)]
         width = max(suffix_lens)
         cols = torch.arange(width)
