@@ -50,12 +50,13 @@ class ModelRunner:
         if self.attention_backend_name == "torch_native":
             from radixlm.srt.attention.torch_native import TorchNativeBackend
 
-            return TorchNativeBackend(self.kv_pool, req_to_token, scale)
+            return TorchNativeBackend(self.kv_pool, req_to_token, scale,
+                                      cascade=not self.args.disable_cascade_attention)
         from radixlm.srt.attention.flashinfer_backend import FlashInferBackend
 
         cfg = self.config
         return FlashInferBackend(self.kv_pool, req_to_token, self.args.page_size, cfg.num_heads, cfg.num_kv_heads,
-                                 cfg.head_dim, scale, self.dtype)
+                                 cfg.head_dim, scale, self.dtype, cascade=not self.args.disable_cascade_attention)
 
     def _make_graph_runner(self, req_to_token: torch.Tensor):
         if self.args.disable_cuda_graph or self.attention_backend_name != "flashinfer":
@@ -70,7 +71,9 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Float32 logits for `batch.logit_rows`: [len(logit_rows), vocab]."""
-        if self.graph_runner is not None and self.graph_runner.can_run(batch):
+        # A decode batch with enough shared-prefix KV runs eagerly, with cascade attention.
+        if (self.graph_runner is not None and self.graph_runner.can_run(batch)
+                and not self.attn_backend.prefers_eager(batch)):
             return self.graph_runner.replay(batch)
         self.attn_backend.plan(batch)
         return self.model(batch.input_ids, batch.positions, self.attn_backend, batch.logit_rows)

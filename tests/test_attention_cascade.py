@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 
 from radixlm.srt.attention import torch_native
@@ -137,3 +138,72 @@ def test_extend_batch_with_riding_decodes_matches_plain_attention():
         want = torch.softmax(scores.masked_fill(~causal, float("-inf")), dim=-1) @ v
         torch.testing.assert_close(got[start:start + new], want.transpose(0, 1).reshape(new, -1), rtol=1e-4, atol=1e-5)
         start += new
+
+
+def test_find_groups_rounds_shared_prefix_down_to_pages():
+    from radixlm.srt.attention.cascade_groups import find_groups
+
+    table = torch.arange(6 * 400, dtype=torch.int64).view(6, 400) + 10_000  # every slot distinct
+    table[1, :100] = table[0, :100]  # rows 0-1 share 100 slots
+    table[2, :70] = table[3, :70] = table[4, :70]  # rows 2-4 share 70
+    seq_lens = [300, 250, 200, 71, 90, 300]  # row 3 (71 tokens) keeps its last token: limit 70
+    found = find_groups(table, range(6), seq_lens)
+    assert [(g.members, g.prefix_len) for g in found.groups] == [([0, 1], 100), ([2, 3, 4], 70)]
+    assert found.prefix_lens == [100, 100, 70, 70, 70, 0]
+    assert found.saved_tokens == 100 + 2 * 70
+    found = find_groups(table, range(6), seq_lens, page_size=16)
+    assert [(g.members, g.prefix_len) for g in found.groups] == [([0, 1], 96), ([2, 3, 4], 64)]
+    found = find_groups(table, range(6), seq_lens, page_size=32)  # 70 -> 64; 100 -> 96
+    assert [g.prefix_len for g in found.groups] == [96, 64]
+    assert find_groups(table, range(6), seq_lens, page_size=128) is None  # nothing left of 64+ tokens
+    # Table rows are picked through `rows`; one member too short to share 64 slots: no group.
+    assert find_groups(table, [5, 1, 0], [300, 250, 300]).groups[0].members == [1, 2]
+    assert find_groups(table, [0, 1], [300, 64]) is None
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_cascade_page_tables_cover_each_request(page_size):
+    """Level 1's shared pages followed by level 2's own pages are exactly each request's KV."""
+    from radixlm.srt.attention.cascade_groups import find_groups
+    from radixlm.srt.attention.flashinfer_backend import cascade_page_tables
+    from radixlm.srt.mem_pool import PageAllocator
+
+    alloc = PageAllocator(capacity_tokens=8192, page_size=page_size)
+    table = torch.zeros(12, 1024, dtype=torch.int64)
+    lens = {}
+    row = 0
+    for shared, contexts in [(300, [301, 340, 600]), (77, [78, 150])]:
+        aligned = shared // page_size * page_size  # a partial page is each request's own copy
+        base = alloc.alloc(0, aligned, None)
+        for n in contexts:
+            table[row, :n] = torch.tensor(base + alloc.alloc(aligned, n - aligned, None))
+            lens[row] = n
+            row += 1
+    for n in (50, 500):  # ungrouped
+        table[row, :n] = torch.tensor(alloc.alloc(0, n, None))
+        lens[row] = n
+        row += 1
+    rows = [5, 0, 3, 1, 6, 4, 2]  # members interleaved with ungrouped requests
+    seq_lens = [lens[r] for r in rows]
+    found = find_groups(table, rows, seq_lens, page_size=page_size)
+    assert [len(g.members) for g in found.groups] == [3, 2]
+    assert [g.prefix_len for g in found.groups] == ([300, 77] if page_size == 1 else [288, 64])
+    tables = cascade_page_tables(table, rows, seq_lens, found, page_size)
+    assert sorted(tables.order) == list(range(len(rows))) and tables.num_grouped == 5
+    assert tables.qo_indptr.tolist() == [0, 3, 5]
+
+    def pages_of(kv, i):
+        return kv.indices[int(kv.indptr[i]):int(kv.indptr[i + 1])].tolist(), int(kv.last_page_len[i])
+
+    group_of = {m: g for g, grp in enumerate(found.groups) for m in grp.members}
+    for j, i in enumerate(tables.order):
+        own, last = pages_of(tables.own, j)
+        pages = own
+        if i in group_of:
+            shared, shared_last = pages_of(tables.shared, group_of[i])
+            assert shared_last == page_size  # a prefix ends on a page boundary
+            assert j in range(int(tables.qo_indptr[group_of[i]]), int(tables.qo_indptr[group_of[i] + 1]))
+            pages = shared + own
+        slots = [p * page_size + k for p in pages for k in range(page_size)]
+        slots = slots[:len(slots) - page_size + last]
+        assert slots == table[rows[i], :seq_lens[i]].tolist()

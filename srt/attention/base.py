@@ -19,6 +19,11 @@ class AttentionBackend(abc.ABC):
     @abc.abstractmethod
     def plan(self, batch: ForwardBatch) -> None: ...
 
+    def prefers_eager(self, batch: ForwardBatch) -> bool:
+        """True when this batch should be planned and run eagerly even though a CUDA graph could
+        replay it (an attention plan the graph does not hold, such as cascade, is worth more)."""
+        return False
+
     @abc.abstractmethod
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int) -> torch.Tensor:
         """q: [T, num_heads, head_dim]; k, v: [T, num_kv_heads, head_dim] -> [T, num_heads * head_dim]."""

@@ -7,13 +7,26 @@ Extend batches use the paged prefill kernel with a causal mask aligned to each r
 so cached prefixes and new tokens are one KV sequence; decode uses the tensor-core decode
 kernel (GQA groups share K/V loads). FA2 kernels throughout: they compile in ~30 s on a fresh
 machine, FA3 in ~100 s.
+
+Cascade decode: requests holding the same KV slots for a long prefix (cascade_groups.py) are
+reordered so each group's queries are contiguous; level 1 attends each group's queries together
+to its shared prefix pages (the prefill kernel, non-causal, one qo segment per group), level 2
+every request to its own remaining pages (the decode kernel; ungrouped requests: all of their
+pages), and the two partial results merge through their log-sum-exp (merge_state_in_place).
+The shared prefix is then read once per group per layer instead of once per request. Cascade
+steps run eagerly (the decode CUDA graphs hold the plain decode kernel), so a batch that a graph
+could run takes the cascade path only when it saves enough KV reads to pay for eager launches.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+import numpy as np
 import torch
 
 from radixlm.srt.attention.base import AttentionBackend
+from radixlm.srt.attention.cascade_groups import CASCADE_MIN_PREFIX, CascadeGroups, find_groups
 from radixlm.srt.attention.paged_kv import PagedKV, build_paged_kv, qo_indptr_for
 from radixlm.srt.forward_batch import ForwardBatch
 from radixlm.srt.mem_pool import KVPool
@@ -21,10 +34,56 @@ from radixlm.srt.mem_pool import KVPool
 WORKSPACE_BYTES = 256 * 1024 * 1024  # split-KV partial results; FlashInfer recommends >= 128 MiB
 _BACKEND = "fa2"
 
+# Shared-prefix KV bytes per layer that cascade must save before a decode step gives up its
+# CUDA graph. An eager step costs ~330 us of host launch time per layer (Llama-3.1-8B shape on
+# the H200: 11.3 ms per token eager vs 5.4 ms with graphs at batch 1, 32 layers); launches run
+# ahead of the GPU, so eager costs nothing once the step's GPU time exceeds that. Saving 1 GiB
+# per layer (~250 us at ~4.2 TB/s), on top of the weight and suffix reads the step still does,
+# makes the plain step GPU-bound beyond the eager host time, so the cascade step is faster.
+# For the 8B shape (4 KiB of K+V per token per layer) that is ~262k shared tokens not re-read:
+# e.g. 9 groups x 16 requests on a 2048-token prefix; smaller batches keep their graph.
+CASCADE_GRAPH_MIN_SAVED_BYTES = 1 << 30
+# For a step that runs eagerly anyway (no graph for its batch size, or graphs off), cascade
+# adds four small kernels per layer (query gather, prefix attention, merge, output scatter):
+# a few microseconds, which 32 MiB of reads (~8 us) more than repays.
+CASCADE_EAGER_MIN_SAVED_BYTES = 32 << 20
+
+
+@dataclass(frozen=True)
+class CascadeTables:
+    """Host page tables of one cascade decode step, in level order: each group's members in
+    turn, then the ungrouped requests (`order[j]` is the batch index of level row j)."""
+
+    order: list[int]
+    num_grouped: int
+    qo_indptr: torch.Tensor  # level 1: group g's queries are level rows [qo_indptr[g], qo_indptr[g + 1])
+    shared: PagedKV  # level 1: group g's shared prefix pages
+    own: PagedKV  # level 2: level row j's pages after its prefix (all of them outside groups)
+
+
+def cascade_page_tables(req_to_token: torch.Tensor, rows: list[int], seq_lens: list[int], found: CascadeGroups,
+                        page_size: int) -> CascadeTables:
+    order = [i for g in found.groups for i in g.members]
+    num_grouped = len(order)
+    order += [i for i, p in enumerate(found.prefix_lens) if p == 0]
+    shared = build_paged_kv(req_to_token, [rows[g.members[0]] for g in found.groups],
+                            [g.prefix_len for g in found.groups], page_size)
+    own = build_paged_kv(req_to_token, [rows[i] for i in order], [seq_lens[i] for i in order], page_size,
+                         starts=[found.prefix_lens[i] for i in order])
+    return CascadeTables(order, num_grouped, qo_indptr_for([len(g.members) for g in found.groups]), shared, own)
+
+
+@dataclass(frozen=True)
+class _CascadeStep:
+    num_grouped: int  # the first num_grouped rows (in level order) belong to groups
+    order: torch.Tensor | None  # [B] device: level order -> batch row; None when they are equal
+    inverse: torch.Tensor | None  # [B] device: batch row -> level order
+
 
 class FlashInferBackend(AttentionBackend):
     def __init__(self, kv_pool: KVPool, req_to_token: torch.Tensor, page_size: int, num_heads: int,
-                 num_kv_heads: int, head_dim: int, scale: float, dtype: torch.dtype):
+                 num_kv_heads: int, head_dim: int, scale: float, dtype: torch.dtype, cascade: bool = True):
+        """cascade: False keeps every decode step plain (--disable-cascade-attention)."""
         import flashinfer
 
         self._flashinfer = flashinfer
@@ -43,19 +102,77 @@ class FlashInferBackend(AttentionBackend):
                          for k, v in zip(kv_pool.k_buffers, kv_pool.v_buffers)]
         self._wrapper = None
         self._out_cache_loc: torch.Tensor | None = None
+        self.cascade = cascade
+        self._kv_bytes_per_token = 2 * num_kv_heads * head_dim * dtype.itemsize  # K and V, one layer
+        self._cascade: _CascadeStep | None = None  # this batch's cascade plan, None for a plain step
+        self._groups_of: tuple[ForwardBatch, CascadeGroups | None] | None = None  # from prefers_eager
+        if cascade:
+            # merge_state's kernels compile just in time (once per machine): at startup, rather
+            # than stalling the first decode step that has groups.
+            from flashinfer.cascade import get_cascade_module
+
+            get_cascade_module()
 
     # ---- planning ----------------------------------------------------------------------------
 
+    def prefers_eager(self, batch: ForwardBatch) -> bool:
+        """A decode batch whose shared prefixes save enough KV reads to run cascade attention
+        eagerly rather than replay the plain decode CUDA graph."""
+        groups = self._decode_groups(batch)
+        return groups is not None and self._saved_bytes(groups) >= CASCADE_GRAPH_MIN_SAVED_BYTES
+
     def plan(self, batch: ForwardBatch) -> None:
-        kv = build_paged_kv(self.req_to_token, batch.req_pool_indices_cpu, batch.seq_lens_cpu, self.page_size)
+        self._cascade = None
         if batch.is_decode:
-            self._plan_decode(self.decode, kv)
+            groups = self._decode_groups(batch)
+            self._groups_of = None
+            if groups is not None and self._saved_bytes(groups) >= CASCADE_EAGER_MIN_SAVED_BYTES:
+                self._plan_cascade(batch, groups)
+            else:
+                self._plan_decode(self.decode, build_paged_kv(self.req_to_token, batch.req_pool_indices_cpu,
+                                                              batch.seq_lens_cpu, self.page_size))
         else:
+            kv = build_paged_kv(self.req_to_token, batch.req_pool_indices_cpu, batch.seq_lens_cpu, self.page_size)
             self.prefill.plan(qo_indptr_for(batch.extend_lens_cpu), kv.indptr, kv.indices, kv.last_page_len,
                               self.num_heads, self.num_kv_heads, self.head_dim, self.page_size, causal=True,
                               sm_scale=self.scale, q_data_type=self.dtype, kv_data_type=self.dtype)
             self._wrapper = self.prefill
         self._out_cache_loc = batch.out_cache_loc
+
+    def _decode_groups(self, batch: ForwardBatch) -> CascadeGroups | None:
+        """The batch's cascade groups, found once per batch (prefers_eager, then plan)."""
+        if not (self.cascade and batch.is_decode):
+            return None
+        if self._groups_of is not None and self._groups_of[0] is batch:
+            return self._groups_of[1]
+        groups = find_groups(self.req_to_token, batch.req_pool_indices_cpu, batch.seq_lens_cpu, CASCADE_MIN_PREFIX,
+                             self.page_size)
+        self._groups_of = (batch, groups)
+        return groups
+
+    def _saved_bytes(self, groups: CascadeGroups) -> int:
+        """KV bytes per layer a cascade step does not read."""
+        return groups.saved_tokens * self._kv_bytes_per_token
+
+    def _plan_cascade(self, batch: ForwardBatch, found: CascadeGroups) -> None:
+        """Level 1 on the prefill wrapper (free in a decode step), level 2 on the decode wrapper."""
+        tables = cascade_page_tables(self.req_to_token, batch.req_pool_indices_cpu, batch.seq_lens_cpu, found,
+                                     self.page_size)
+        shared = tables.shared
+        self.prefill.plan(tables.qo_indptr, shared.indptr, shared.indices, shared.last_page_len, self.num_heads,
+                          self.num_kv_heads, self.head_dim, self.page_size, causal=False, sm_scale=self.scale,
+                          q_data_type=self.dtype, kv_data_type=self.dtype)
+        self._plan_decode(self.decode, tables.own)
+        order = tables.order
+        reorder = inverse = None
+        if order != list(range(len(order))):
+            perm = np.asarray(order, dtype=np.int64)
+            inv = np.empty_like(perm)
+            inv[perm] = np.arange(len(perm))
+            # One host-to-device copy, non-blocking: a blocking one would wait for the device.
+            both = torch.from_numpy(np.stack([perm, inv])).to(self.device, non_blocking=True)
+            reorder, inverse = both[0], both[1]
+        self._cascade = _CascadeStep(tables.num_grouped, reorder, inverse)
 
     def _plan_decode(self, wrapper, kv: PagedKV) -> None:
         wrapper.plan(kv.indptr, kv.indices, kv.last_page_len, self.num_heads, self.num_kv_heads, self.head_dim,
@@ -81,14 +198,30 @@ class FlashInferBackend(AttentionBackend):
         rows, seq_lens = (batch.req_pool_indices_cpu, batch.seq_lens_cpu) if batch is not None else ([], [])
         kv = build_paged_kv(self.req_to_token, rows, seq_lens, self.page_size, padded_size)
         self._plan_decode(wrapper, kv)
+        self._cascade = None
+        self._groups_of = None
         self._out_cache_loc = out_cache_loc
 
     # ---- per layer -----------------------------------------------------------------------------
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int) -> torch.Tensor:
         self.kv_pool.store(layer_id, self._out_cache_loc, k, v)
+        if self._cascade is not None:
+            return self._cascade_forward(q, self.kv_pages[layer_id])
         out = self._wrapper.run(q, self.kv_pages[layer_id])
         return out.view(q.shape[0], -1)
+
+    def _cascade_forward(self, q: torch.Tensor, pages) -> torch.Tensor:
+        step = self._cascade
+        if step.order is not None:
+            q = q.index_select(0, step.order)  # level order: each group's queries contiguous
+        out, lse = self.decode.run(q, pages, return_lse=True)  # own pages (all of them, ungrouped)
+        grouped = step.num_grouped
+        prefix_out, prefix_lse = self.prefill.run(q[:grouped], pages, return_lse=True)  # shared prefixes
+        self._flashinfer.merge_state_in_place(out[:grouped], lse[:grouped], prefix_out, prefix_lse)
+        if step.inverse is not None:
+            out = out.index_select(0, step.inverse)
+        return out.view(out.shape[0], -1)
 
 
 def _as_pages(buf: torch.Tensor, page_size: int) -> torch.Tensor:

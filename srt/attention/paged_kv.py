@@ -24,25 +24,32 @@ class PagedKV:
 
 
 def build_paged_kv(req_to_token: torch.Tensor, rows: list[int], seq_lens: list[int], page_size: int,
-                   pad_to: int | None = None) -> PagedKV:
+                   pad_to: int | None = None, starts: list[int] | None = None) -> PagedKV:
     """Pages of request i's first `seq_lens[i]` tokens (table row `rows[i]`), in order.
 
     pad_to: append dummy requests (one token on page 0, the allocator's padding page) up to
     this batch size, for a CUDA graph captured at a larger batch.
+    starts: leave out each request's first `starts[i]` tokens (multiples of page_size; a
+    cascade step reads them as a group's shared prefix): pages of tokens [starts[i], seq_lens[i]).
     """
     num_pad = (pad_to - len(seq_lens)) if pad_to is not None else 0
     if num_pad < 0:
         raise ValueError(f"pad_to={pad_to} is smaller than the batch ({len(seq_lens)})")
+    if starts is None:
+        starts = [0] * len(seq_lens)
+    elif any(s % page_size for s in starts):
+        raise ValueError(f"starts must be multiples of page_size={page_size}")
     table = req_to_token.numpy()
     # The first slot of each page names the page (a page's slots are consecutive).
-    parts = [table[row, :n:page_size] for row, n in zip(rows, seq_lens)]
+    parts = [table[row, s:n:page_size] for row, s, n in zip(rows, starts, seq_lens)]
     parts.append(np.zeros(num_pad, dtype=np.int64))
     slots = np.concatenate(parts)
     pages = slots if page_size == 1 else slots // page_size
-    counts = np.fromiter(((n + page_size - 1) // page_size for n in seq_lens), dtype=np.int32, count=len(seq_lens))
-    indptr = np.zeros(len(seq_lens) + num_pad + 1, dtype=np.int32)
+    lens = [n - s for n, s in zip(seq_lens, starts)]
+    counts = np.fromiter(((n + page_size - 1) // page_size for n in lens), dtype=np.int32, count=len(lens))
+    indptr = np.zeros(len(lens) + num_pad + 1, dtype=np.int32)
     np.cumsum(np.concatenate([counts, np.ones(num_pad, dtype=np.int32)]), out=indptr[1:])
-    last = np.fromiter(((n - 1) % page_size + 1 for n in seq_lens), dtype=np.int32, count=len(seq_lens))
+    last = np.fromiter(((n - 1) % page_size + 1 for n in lens), dtype=np.int32, count=len(lens))
     last_page_len = np.concatenate([last, np.ones(num_pad, dtype=np.int32)])
     return PagedKV(torch.from_numpy(indptr), torch.from_numpy(pages.astype(np.int32)), torch.from_numpy(last_page_len))
 
