@@ -136,7 +136,9 @@ class Scheduler:
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.constraints.compiling or self.chunked or self.sampled is not None
+        # A launched step's unfinished requests are running; one of finished requests only has
+        # tokens to drop (read by the next step, or flush_cache).
+        return bool(self.waiting or self.constraints.compiling or self.chunked
                     or any(not r.finished for r in self.running))
 
     @torch.inference_mode()

@@ -102,6 +102,7 @@ class FlashInferBackend(AttentionBackend):
                          for k, v in zip(kv_pool.k_buffers, kv_pool.v_buffers)]
         self._wrapper = None
         self._out_cache_loc: torch.Tensor | None = None
+        self._plan_copied: torch.cuda.Event | None = None  # see _planning
         self.cascade = cascade
         self._kv_bytes_per_token = 2 * num_kv_heads * head_dim * dtype.itemsize  # K and V, one layer
         self._cascade: _CascadeStep | None = None  # this batch's cascade plan, None for a plain step
@@ -121,7 +122,19 @@ class FlashInferBackend(AttentionBackend):
         groups = self._decode_groups(batch)
         return groups is not None and self._saved_bytes(groups) >= CASCADE_GRAPH_MIN_SAVED_BYTES
 
+    def _planning(self) -> None:
+        """Waits until the device has taken the previous plan. A wrapper's plan writes a pinned
+        host buffer and queues its copy to the device; with overlap scheduling the next plan can
+        come before the device reaches that copy, and would overwrite what it has not read."""
+        if self._plan_copied is not None:
+            self._plan_copied.synchronize()
+
+    def _planned(self) -> None:
+        self._plan_copied = torch.cuda.Event()
+        self._plan_copied.record()
+
     def plan(self, batch: ForwardBatch) -> None:
+        self._planning()
         self._cascade = None
         if batch.is_decode:
             groups = self._decode_groups(batch)
@@ -138,6 +151,7 @@ class FlashInferBackend(AttentionBackend):
                               sm_scale=self.scale, q_data_type=self.dtype, kv_data_type=self.dtype)
             self._wrapper = self.prefill
         self._out_cache_loc = batch.out_cache_loc
+        self._planned()
 
     def _decode_groups(self, batch: ForwardBatch) -> CascadeGroups | None:
         """The batch's cascade groups, found once per batch (prefers_eager, then plan)."""
@@ -195,12 +209,17 @@ class FlashInferBackend(AttentionBackend):
                           out_cache_loc: torch.Tensor) -> None:
         """Plans `wrapper` for `batch` padded to `padded_size` (all padding when batch is None);
         the layers then store K/V at the fixed `out_cache_loc` buffer."""
+        self._planning()
         rows, seq_lens = (batch.req_pool_indices_cpu, batch.seq_lens_cpu) if batch is not None else ([], [])
         kv = build_paged_kv(self.req_to_token, rows, seq_lens, self.page_size, padded_size)
+        # Host indices would make the graph wrapper copy them blocking, waiting for every step
+        # still running; copied here first, its copy into the graph's buffer is device to device.
+        kv = PagedKV(kv.indptr, kv.indices.to(self.device, non_blocking=True), kv.last_page_len)
         self._plan_decode(wrapper, kv)
         self._cascade = None
         self._groups_of = None
         self._out_cache_loc = out_cache_loc
+        self._planned()
 
     # ---- per layer -----------------------------------------------------------------------------
 
