@@ -8,6 +8,7 @@ measured in the same run. Prints one JSON line per result and appends them to --
            requests (and radixlm on the same 128) as the in-run baseline; prefill/decode split
   shared_prefix  64 groups x 16 prompts (2048 shared + 256 unique, 128 out), shuffled, vs
            vLLM's 5759 output tok/s; the radix cache turned off as the in-run baseline
+  constrained  64 JSON-schema requests: jump-forward on vs off, vs unconstrained decoding
   serve_ready  `radixlm serve` process start to /health and to a first /generate
   (always) Engine construction time (load, graphs) vs vLLM's 136 s start to ready
 
@@ -308,14 +309,21 @@ def bench_shared_prefix(make_engine, rep: Reporter, num_groups: int, baseline_gr
         engine.generate(input_ids=shared_prefix_workload(1, 4, seed=99), sampling_params=params)  # warm-up
         engine.flush_cache()
         prompts = shared_prefix_workload(groups)
+        timer = StepTimer(engine.scheduler.runner)
         start = time.perf_counter()
         outs = engine.generate(input_ids=prompts, sampling_params=params)
         seconds = time.perf_counter() - start
+        device_s, steps = timer.split()
+        del engine.scheduler.runner.forward
         cached = sum(o["meta_info"]["cached_tokens"] for o in outs)
         results[name] = len(prompts) * out_len / seconds
         line = {"bench": "gpu_shared_prefix", "system": f"radixlm_engine {name}", "groups": groups,
                 "prompts": len(prompts), "seconds": round(seconds, 2), "output_tok_s": round(results[name], 1),
-                "cached_token_fraction": round(cached / sum(len(p) for p in prompts), 3)}
+                "cached_token_fraction": round(cached / sum(len(p) for p in prompts), 3),
+                "split_s": {"extend_forward_device": round(device_s["extend"], 2),
+                            "decode_forward_device": round(device_s["decode"], 2),
+                            "sampling_and_device_idle": round(seconds - sum(device_s.values()), 2)},
+                "steps": steps}
         if name == "disable_radix_cache":
             line.update(ratio_radix_vs_no_cache=round(results["radix_cache"] / results[name], 2))
         else:
@@ -325,6 +333,52 @@ def bench_shared_prefix(make_engine, rep: Reporter, num_groups: int, baseline_gr
         del engine, outs
         gc.collect()
         torch.cuda.empty_cache()
+
+
+# Only bounded values (enums, bounded integers, booleans): a random model cannot run a string or a
+# number on to max_tokens, and the keys and punctuation are text the grammar forces.
+CONSTRAINED_SCHEMA = {
+    "type": "object",
+    "properties": {"category": {"enum": ["hardware failure", "software defect", "billing question"]},
+                   "priority_level": {"type": "integer", "minimum": 0, "maximum": 9},
+                   "needs_escalation": {"type": "boolean"},
+                   "customer_sentiment": {"enum": ["positive", "neutral", "negative"]}},
+    "required": ["category", "priority_level", "needs_escalation", "customer_sentiment"]}
+
+
+def bench_constrained(engine, rep: Reporter, num: int = 64) -> None:
+    """64 JSON-schema requests at once: jump-forward on vs off (forced text appended without a
+    decode step per token, but the batch runs as an eager extend step), and unconstrained
+    decoding of the same number of tokens per request as the in-run baseline."""
+    rng = random.Random(5)
+    prompts = random_prompts(rng, [256] * num)
+    params = {"json_schema": json.dumps(CONSTRAINED_SCHEMA), "temperature": 0, "max_new_tokens": 96}
+    constraints = engine.scheduler.constraints
+    engine.generate(input_ids=prompts[:2], sampling_params=params)  # compiles the grammar once
+    engine.flush_cache()
+
+    def run(sampling_params):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        outs = engine.generate(input_ids=prompts, sampling_params=sampling_params)
+        seconds = time.perf_counter() - start
+        engine.flush_cache()
+        return seconds, outs
+
+    results = {}
+    for jump in (True, False):
+        constraints.jump_forward = jump
+        results[jump] = run(params)
+    constraints.jump_forward = True
+    on_s, outs = results[True]
+    off_s, off_outs = results[False]
+    assert all(json.loads(o["text"]).keys() == CONSTRAINED_SCHEMA["properties"].keys() for o in outs)
+    lens = [o["meta_info"]["completion_tokens"] for o in off_outs]
+    free_s, _ = run([{"temperature": 0, "max_new_tokens": n, "ignore_eos": True} for n in lens])
+    rep.emit({"bench": "gpu_constrained", "requests": num, "jump_forward_on_s": round(on_s, 3),
+              "jump_forward_off_s": round(off_s, 3), "jump_forward_speedup": round(off_s / on_s, 3),
+              "output_tokens_off": sum(lens), "baseline": "unconstrained, same token counts",
+              "unconstrained_s": round(free_s, 3), "constrained_off_vs_unconstrained": round(free_s / off_s, 3)})
 
 
 def bench_serve_ready(rep: Reporter, tokenizer: str, timeout_s: float = 240.0) -> None:
@@ -425,6 +479,8 @@ def main() -> None:
         bench_prefill(engine, rep, config, peak)
     if "offline" in suites:
         bench_offline(engine, rep, prompts, out_lens, hf_tok_s)
+    if "constrained" in suites:
+        bench_constrained(engine, rep)
     if "shared_prefix" in suites:
         engine.shutdown()
         del engine

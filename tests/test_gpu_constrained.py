@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 
-import jsonschema
 import pytest
 import regex
 
@@ -18,6 +17,14 @@ SCHEMA = {"type": "object",
                          "tag": {"enum": ["alpha", "beta", "gamma"]},
                          "ok": {"type": "boolean"}},
           "required": ["id", "tag", "ok"]}
+
+
+# jsonschema is not on the GPU machine (no package registry there): SCHEMA checked by hand.
+def _matches_schema(obj) -> bool:
+    return (isinstance(obj, dict) and {"id", "tag", "ok"} <= set(obj) and type(obj["id"]) is int
+            and 0 <= obj["id"] <= 9999 and obj["tag"] in ("alpha", "beta", "gamma") and type(obj["ok"]) is bool)
+
+
 PATTERN = r"(19|20)\d\d-(0[1-9]|1[0-2])-(0[1-9]|[12]\d|3[01])"
 
 
@@ -35,7 +42,7 @@ def test_constrained_outputs_on_gpu(tmp_path):
         for i, out in enumerate(outs):
             assert out["meta_info"]["finish_reason"]["type"] == "stop", out
             if i % 3:
-                jsonschema.validate(json.loads(out["text"]), SCHEMA)
+                assert _matches_schema(json.loads(out["text"]))
             else:
                 assert regex.fullmatch(PATTERN, out["text"])
     finally:
