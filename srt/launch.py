@@ -99,6 +99,15 @@ def _wait_ready(ready: zmq.Socket, children: _Children, names: set[str]) -> dict
     return info
 
 
+def _local_tokenizer_dir(args: ServerArgs) -> str | None:
+    """The tokenizer's local directory when nothing must be converted or fetched first."""
+    paths = [p for p in (args.model_path, args.tokenizer_path) if p]
+    if any(str(p).endswith(".gguf") for p in paths):
+        return None
+    candidate = args.tokenizer_path or args.model_path
+    return candidate if candidate and os.path.isdir(candidate) else None
+
+
 def launch_server(args: ServerArgs, served_model_name: str | None = None, log_level: str = "info") -> int:
     """Runs the server until SIGINT/SIGTERM (returns 0) or a child process dies (returns 1)."""
     import uvicorn
@@ -109,11 +118,18 @@ def launch_server(args: ServerArgs, served_model_name: str | None = None, log_le
     from radixlm.srt.scheduler_process import run_scheduler_process
     from radixlm.srt.tokenizer_manager import TokenizerManager
 
-    # Read config and tokenizer here (converting a GGUF once, before the children race for it).
-    meta = load_model(args.model_path, load_format=args.load_format, tokenizer_path=args.tokenizer_path,
-                      with_weights=False)
-    if meta.tokenizer is None:
-        raise SystemExit("the model has no tokenizer; pass --tokenizer-path")
+    def read_meta():
+        meta = load_model(args.model_path, load_format=args.load_format, tokenizer_path=args.tokenizer_path,
+                          with_weights=False)
+        if meta.tokenizer is None:
+            raise SystemExit("the model has no tokenizer; pass --tokenizer-path")
+        return meta
+
+    # Config and tokenizer for this process. Read while the children start (it takes seconds)
+    # when the tokenizer is a local directory; first otherwise: a GGUF is converted once, and a
+    # hub model is fetched once, before the children race for them.
+    tokenizer_dir = _local_tokenizer_dir(args)
+    meta = None if tokenizer_dir else read_meta()
     children = _Children()
     logger.info("ipc directory: %s", children.ipc_dir)
     ctx = zmq.Context()
@@ -121,10 +137,11 @@ def launch_server(args: ServerArgs, served_model_name: str | None = None, log_le
     ready.setsockopt(zmq.LINGER, 0)
     ready.bind(children.addr("ready"))
     try:
-        children.start("detokenizer", run_detokenizer_process, args.tokenizer_path or meta.local_dir,
+        children.start("detokenizer", run_detokenizer_process, tokenizer_dir or args.tokenizer_path or meta.local_dir,
                        children.addr("detokenizer"), children.addr("tokenizer"), children.addr("ready"))
         children.start("scheduler", run_scheduler_process, dataclasses.asdict(args),
                        children.addr("scheduler"), children.addr("detokenizer"), children.addr("ready"))
+        meta = meta or read_meta()
         info = _wait_ready(ready, children, {"scheduler", "detokenizer"})
     except BaseException as e:
         children.stop()
