@@ -29,7 +29,7 @@ class ServerArgs:
     disable_overlap_schedule: bool = False  # CUDA: run each step's host work while the previous step computes
     disable_cuda_graph: bool = False  # decode CUDA graphs need the flashinfer backend
     disable_cascade_attention: bool = False  # decode reads a shared prefix once per request, not per group
-    cuda_graph_max_bs: int = 256  # largest decode batch replayed from a graph (capped by max_running_requests)
+    cuda_graph_max_bs: int = 512  # largest decode batch replayed from a graph (capped by max_running_requests)
     mem_fraction_static: float = 0.88  # GPU memory share for weights + KV pool (the rest: activations, graphs)
     random_seed: int = 0
     host: str = "127.0.0.1"
