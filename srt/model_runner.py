@@ -71,10 +71,12 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Float32 logits for `batch.logit_rows`: [len(logit_rows), vocab]."""
-        # A decode batch with enough shared-prefix KV runs eagerly, with cascade attention.
-        if (self.graph_runner is not None and self.graph_runner.can_run(batch)
-                and not self.attn_backend.prefers_eager(batch)):
-            return self.graph_runner.replay(batch)
+        # A decode batch with enough shared-prefix KV runs cascade attention: in its bucket's
+        # cascade graph, or eagerly where the bucket has none.
+        graphs = self.graph_runner
+        if graphs is not None and graphs.can_run(batch) and (graphs.has_cascade_graph(batch)
+                                                           or not self.attn_backend.prefers_eager(batch)):
+            return graphs.replay(batch)
         self.attn_backend.plan(batch)
         return self.model(batch.input_ids, batch.positions, self.attn_backend, batch.logit_rows)
 

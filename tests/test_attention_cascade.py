@@ -207,3 +207,38 @@ def test_cascade_page_tables_cover_each_request(page_size):
         slots = [p * page_size + k for p in pages for k in range(page_size)]
         slots = slots[:len(slots) - page_size + last]
         assert slots == table[rows[i], :seq_lens[i]].tolist()
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_graph_cascade_tables_have_fixed_sizes_and_cover_each_request(page_size):
+    """A cascade CUDA graph's tables: sizes fixed by the bucket, the groups' rows first (merged),
+    every other row (requests outside groups, padding) in one level-1 segment on the padding
+    page, and level 1 + level 2 still exactly each grouped request's KV."""
+    from radixlm.srt.attention.cascade_groups import find_groups
+    from radixlm.srt.attention.flashinfer_backend import graph_cascade_tables, graph_prefix_segments
+    from radixlm.srt.mem_pool import PageAllocator
+
+    alloc = PageAllocator(capacity_tokens=8192, page_size=page_size)
+    table = torch.zeros(8, 1024, dtype=torch.int64)
+    base = alloc.alloc(0, 288, None)
+    lens = [300, 340, 301, 120]
+    for row, n in enumerate(lens[:3]):
+        table[row, :n] = torch.tensor(base + alloc.alloc(288, n - 288, None))
+    table[3, :120] = torch.tensor(alloc.alloc(0, 120, None))  # shares nothing
+    rows, bucket = [3, 0, 1, 2], 8
+    found = find_groups(table, rows, [lens[r] for r in rows], page_size=page_size)
+    order, grouped, qo_indptr, shared, own = graph_cascade_tables(table, rows, [lens[r] for r in rows], found,
+                                                                  page_size, bucket)
+    segments = graph_prefix_segments(bucket)
+    assert grouped == 3 and order[:3] == [1, 2, 3] and sorted(order) == list(range(bucket))
+    assert qo_indptr.tolist() == [0, 3, 8] + [8] * (segments - 2)  # group, the others, empty segments
+    assert len(shared.indptr) == segments + 1 and len(own.indptr) == bucket + 1
+    assert shared.indices[int(shared.indptr[1]):].tolist() == [0] * (segments - 1)  # the padding page
+    for j, i in enumerate(order[:4]):
+        pages = own.indices[int(own.indptr[j]):int(own.indptr[j + 1])].tolist()
+        if j < grouped:
+            pages = shared.indices[:int(shared.indptr[1])].tolist() + pages
+        slots = [p * page_size + k for p in pages for k in range(page_size)]
+        slots = slots[:len(slots) - page_size + int(own.last_page_len[j])]
+        assert slots == table[rows[i], :lens[rows[i]]].tolist()
+    assert own.indices[int(own.indptr[4]):].tolist() == [0] * (bucket - 4)  # padding rows

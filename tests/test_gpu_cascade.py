@@ -138,19 +138,21 @@ def _shared_prefix_prompts() -> list[list[int]]:
     return prompts
 
 
-def _generate(config_path: str, count_cascade: list[int], **kwargs) -> list[dict]:
+def _generate(config_path: str, count_cascade: list[int], counted: str = "_plan_cascade", **kwargs) -> list[dict]:
+    """Greedy outputs of the shared-prefix prompts; appends to count_cascade on every call of
+    the backend's `counted` planner (eager cascade, or the cascade graph's)."""
     from radixlm.srt import Engine
 
     engine = Engine(config_path, load_format="dummy", tokenizer_path=llama3_tokenizer_path(), max_total_tokens=32768,
                     max_running_requests=16, attention_backend="flashinfer", **kwargs)
     backend = engine.scheduler.runner.attn_backend
-    real_plan = backend._plan_cascade
+    real_plan = getattr(backend, counted)
 
     def counting_plan(*a):
         count_cascade.append(1)
         return real_plan(*a)
 
-    backend._plan_cascade = counting_plan
+    setattr(backend, counted, counting_plan)
     params = {"temperature": 0, "max_new_tokens": NEW_TOKENS, "ignore_eos": True}
     try:
         prompts = _shared_prefix_prompts()
@@ -179,6 +181,28 @@ def test_engine_greedy_outputs_equal_with_and_without_cascade(tmp_path, monkeypa
     plain_plans: list[int] = []
     without = _generate(config_path, plain_plans, page_size=page_size, disable_cascade_attention=True)
     assert not plain_plans
+    _assert_same_greedy(without, with_cascade)
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_cascade_cuda_graphs_keep_greedy_outputs(tmp_path, monkeypatch, page_size):
+    """Buckets of 8 and 16 get cascade graphs here (64 and up by default)."""
+    from radixlm.srt import cuda_graph_runner
+    from radixlm.srt.attention import flashinfer_backend
+
+    config_path = small_llama_config(tmp_path)
+    monkeypatch.setattr(cuda_graph_runner, "CASCADE_GRAPH_MIN_BS", 8)
+    monkeypatch.setattr(flashinfer_backend, "CASCADE_IN_GRAPH_MIN_SAVED_BYTES", 0)
+    replays: list[int] = []
+    with_cascade = _generate(config_path, replays, counted="plan_graph_cascade", page_size=page_size)
+    assert len(replays) >= NEW_TOKENS - 1
+    eager: list[int] = []
+    without = _generate(config_path, eager, page_size=page_size, disable_cascade_attention=True)
+    assert not eager
+    _assert_same_greedy(without, with_cascade)
+
+
+def _assert_same_greedy(without: list[dict], with_cascade: list[dict]) -> None:
     exact = 0
     for ref, got in zip(without, with_cascade):
         pos = first_divergence(ref["output_ids"], got["output_ids"])

@@ -47,6 +47,11 @@ CASCADE_GRAPH_MIN_SAVED_BYTES = 1 << 30
 # adds four small kernels per layer (query gather, prefix attention, merge, output scatter):
 # a few microseconds, which 32 MiB of reads (~8 us) more than repays.
 CASCADE_EAGER_MIN_SAVED_BYTES = 32 << 20
+# Decode buckets this large get a second CUDA graph, with cascade attention (smaller batches
+# rarely share enough to matter, and each graph adds ~1.5 s of start-up capture).
+CASCADE_GRAPH_MIN_BS = 64
+# A cascade graph costs four small kernels per layer more than the plain one (~15 us).
+CASCADE_IN_GRAPH_MIN_SAVED_BYTES = 64 << 20
 
 
 @dataclass(frozen=True)
@@ -78,6 +83,54 @@ class _CascadeStep:
     num_grouped: int  # the first num_grouped rows (in level order) belong to groups
     order: torch.Tensor | None  # [B] device: level order -> batch row; None when they are equal
     inverse: torch.Tensor | None  # [B] device: batch row -> level order
+    decode: object  # level-2 wrapper
+    prefix: object  # level-1 wrapper
+    # CUDA graphs: level 1 runs over every row (rows outside groups see the padding page) and
+    # only the grouped rows merge, by this mask, so no shape depends on the batch.
+    merge_mask: torch.Tensor | None = None
+
+
+@dataclass
+class GraphCascade:
+    """One decode bucket's cascade wrappers and reordering buffers (fixed addresses)."""
+
+    decode: object
+    prefix: object
+    order: torch.Tensor
+    inverse: torch.Tensor
+    merge_mask: torch.Tensor
+
+
+def graph_prefix_segments(padded_size: int) -> int:
+    """Level-1 segments of a cascade graph: at most one group per two rows, plus one for every
+    row outside the groups. Fixed per bucket (FlashInfer's graph-mode plan needs that); it also
+    fixes the query tile at 128 rows, so a group's prefix is read once per group."""
+    return padded_size // 2 + 1
+
+
+def graph_cascade_tables(req_to_token: torch.Tensor, rows: list[int], seq_lens: list[int],
+                         found: CascadeGroups | None, page_size: int, padded_size: int):
+    """Cascade page tables for a graph bucket of `padded_size` rows, every size fixed: level
+    order is the groups' members, then the other requests, then padding rows; level 1 has one
+    segment per group, then one holding every other row (on the padding page; those rows are
+    masked out of the merge), then empty segments. Returns (order, num_grouped, qo_indptr,
+    shared, own)."""
+    groups = found.groups if found is not None else []
+    prefix_lens = found.prefix_lens if found is not None else [0] * len(rows)
+    order = [i for g in groups for i in g.members]
+    num_grouped = len(order)
+    order += [i for i, p in enumerate(prefix_lens) if p == 0]
+    order += list(range(len(rows), padded_size))
+    num_segments = graph_prefix_segments(padded_size)
+    seg_lens = [len(g.members) for g in groups] + [padded_size - num_grouped]
+    seg_lens += [0] * (num_segments - len(seg_lens))
+    qo_indptr = qo_indptr_for(seg_lens)
+    shared = build_paged_kv(req_to_token, [rows[g.members[0]] for g in groups], [g.prefix_len for g in groups],
+                            page_size, pad_to=num_segments)
+    real = order[:len(rows)]
+    own = build_paged_kv(req_to_token, [rows[i] for i in real], [seq_lens[i] for i in real], page_size,
+                         pad_to=padded_size, starts=[prefix_lens[i] for i in real])
+    return order, num_grouped, qo_indptr, shared, own
 
 
 class FlashInferBackend(AttentionBackend):
@@ -118,9 +171,14 @@ class FlashInferBackend(AttentionBackend):
 
     def prefers_eager(self, batch: ForwardBatch) -> bool:
         """A decode batch whose shared prefixes save enough KV reads to run cascade attention
-        eagerly rather than replay the plain decode CUDA graph."""
+        eagerly rather than replay the plain decode CUDA graph (for a bucket without a cascade
+        graph)."""
         groups = self._decode_groups(batch)
         return groups is not None and self._saved_bytes(groups) >= CASCADE_GRAPH_MIN_SAVED_BYTES
+
+    def wants_graph_cascade(self, batch: ForwardBatch) -> bool:
+        groups = self._decode_groups(batch)
+        return groups is not None and self._saved_bytes(groups) >= CASCADE_IN_GRAPH_MIN_SAVED_BYTES
 
     def _planning(self) -> None:
         """Waits until the device has taken the previous plan. A wrapper's plan writes a pinned
@@ -186,7 +244,7 @@ class FlashInferBackend(AttentionBackend):
             # One host-to-device copy, non-blocking: a blocking one would wait for the device.
             both = torch.from_numpy(np.stack([perm, inv])).to(self.device, non_blocking=True)
             reorder, inverse = both[0], both[1]
-        self._cascade = _CascadeStep(tables.num_grouped, reorder, inverse)
+        self._cascade = _CascadeStep(tables.num_grouped, reorder, inverse, self.decode, self.prefill)
 
     def _plan_decode(self, wrapper, kv: PagedKV) -> None:
         wrapper.plan(kv.indptr, kv.indices, kv.last_page_len, self.num_heads, self.num_kv_heads, self.head_dim,
@@ -204,6 +262,50 @@ class FlashInferBackend(AttentionBackend):
             paged_kv_indices_buffer=indices_buffer,
             paged_kv_last_page_len_buffer=torch.zeros(batch_size, dtype=torch.int32, device=self.device),
             backend=_BACKEND)
+
+    def make_graph_cascade(self, batch_size: int, own_indices: torch.Tensor,
+                           prefix_indices: torch.Tensor) -> GraphCascade:
+        """Level-2 (decode) and level-1 (prefill, non-causal) wrappers with fixed buffers for a
+        cascade decode graph of `batch_size` rows."""
+        def zeros(n: int, dtype=torch.int32) -> torch.Tensor:
+            return torch.zeros(n, dtype=dtype, device=self.device)
+
+        segments = graph_prefix_segments(batch_size)
+        prefix = self._flashinfer.BatchPrefillWithPagedKVCacheWrapper(
+            self.workspace, "HND", use_cuda_graph=True, qo_indptr_buf=zeros(segments + 1),
+            paged_kv_indptr_buf=zeros(segments + 1), paged_kv_indices_buf=prefix_indices,
+            paged_kv_last_page_len_buf=zeros(segments), backend=_BACKEND)
+        rows = torch.arange(batch_size, device=self.device)
+        return GraphCascade(self.make_graph_decode_wrapper(batch_size, own_indices), prefix, rows, rows.clone(),
+                            zeros(batch_size, torch.bool))
+
+    def plan_graph_cascade(self, graph: GraphCascade, batch: ForwardBatch | None, padded_size: int,
+                           out_cache_loc: torch.Tensor) -> None:
+        """Plans a cascade graph bucket for `batch` (all padding when None)."""
+        self._planning()
+        rows, seq_lens = (batch.req_pool_indices_cpu, batch.seq_lens_cpu) if batch is not None else ([], [])
+        found = self._decode_groups(batch) if batch is not None else None
+        order, num_grouped, qo_indptr, shared, own = graph_cascade_tables(self.req_to_token, rows, seq_lens, found,
+                                                                          self.page_size, padded_size)
+        graph.prefix.plan(qo_indptr, shared.indptr, shared.indices.to(self.device, non_blocking=True),
+                          shared.last_page_len, self.num_heads, self.num_kv_heads, self.head_dim, self.page_size,
+                          causal=False, sm_scale=self.scale, q_data_type=self.dtype, kv_data_type=self.dtype)
+        self._plan_decode(graph.decode, PagedKV(own.indptr, own.indices.to(self.device, non_blocking=True),
+                                                own.last_page_len))
+        perm = np.asarray(order, dtype=np.int64)
+        inv = np.empty_like(perm)
+        inv[perm] = np.arange(len(perm))
+        mask = (np.arange(len(perm)) < num_grouped).astype(np.int64)
+        host = torch.from_numpy(np.stack([perm, inv, mask]))
+        both = host.to(self.device, non_blocking=True)
+        graph.order.copy_(both[0])
+        graph.inverse.copy_(both[1])
+        graph.merge_mask.copy_(both[2].bool())
+        self._cascade = _CascadeStep(num_grouped, graph.order, graph.inverse, graph.decode, graph.prefix,
+                                     graph.merge_mask)
+        self._groups_of = None
+        self._out_cache_loc = out_cache_loc
+        self._planned()
 
     def plan_graph_decode(self, wrapper, batch: ForwardBatch | None, padded_size: int,
                           out_cache_loc: torch.Tensor) -> None:
@@ -234,10 +336,14 @@ class FlashInferBackend(AttentionBackend):
         step = self._cascade
         if step.order is not None:
             q = q.index_select(0, step.order)  # level order: each group's queries contiguous
-        out, lse = self.decode.run(q, pages, return_lse=True)  # own pages (all of them, ungrouped)
-        grouped = step.num_grouped
-        prefix_out, prefix_lse = self.prefill.run(q[:grouped], pages, return_lse=True)  # shared prefixes
-        self._flashinfer.merge_state_in_place(out[:grouped], lse[:grouped], prefix_out, prefix_lse)
+        out, lse = step.decode.run(q, pages, return_lse=True)  # own pages (all of them, ungrouped)
+        if step.merge_mask is not None:  # a graph: every row through level 1, grouped rows merged
+            prefix_out, prefix_lse = step.prefix.run(q, pages, return_lse=True)
+            self._flashinfer.merge_state_in_place(out, lse, prefix_out, prefix_lse, mask=step.merge_mask)
+        else:
+            grouped = step.num_grouped
+            prefix_out, prefix_lse = step.prefix.run(q[:grouped], pages, return_lse=True)  # shared prefixes
+            self._flashinfer.merge_state_in_place(out[:grouped], lse[:grouped], prefix_out, prefix_lse)
         if step.inverse is not None:
             out = out.index_select(0, step.inverse)
         return out.view(out.shape[0], -1)
