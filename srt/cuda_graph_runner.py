@@ -112,7 +112,7 @@ class CudaGraphRunner:
             self.positions[num_reqs:bs].zero_()
             self.out_cache_loc[num_reqs:bs].fill_(PADDING_SLOT)
         cascade = self.cascade_graphs.get(bs)
-        if cascade is not None and self.backend.wants_graph_cascade(batch):
+        if cascade is not None and self.backend.wants_graph_cascade(batch, bs):
             graph, logits, wrappers = cascade
             self.backend.plan_graph_cascade(wrappers, batch, bs, self.out_cache_loc[:bs])
             graph.replay()

@@ -102,10 +102,11 @@ class GraphCascade:
 
 
 def graph_prefix_segments(padded_size: int) -> int:
-    """Level-1 segments of a cascade graph: at most one group per two rows, plus one for every
+    """Level-1 segments of a cascade graph: up to one group per four rows, plus one for every
     row outside the groups. Fixed per bucket (FlashInfer's graph-mode plan needs that); it also
-    fixes the query tile at 128 rows, so a group's prefix is read once per group."""
-    return padded_size // 2 + 1
+    fixes the query tile at 128 rows, so a group's prefix is read once per group. Its split-KV
+    scratch grows with it: a batch with more groups uses the plain graph."""
+    return padded_size // 4 + 1
 
 
 def graph_cascade_tables(req_to_token: torch.Tensor, rows: list[int], seq_lens: list[int],
@@ -156,6 +157,7 @@ class FlashInferBackend(AttentionBackend):
         self._wrapper = None
         self._out_cache_loc: torch.Tensor | None = None
         self._plan_copied: torch.cuda.Event | None = None  # see _planning
+        self._cascade_workspace: torch.Tensor | None = None  # level-1 scratch of the cascade graphs
         self.cascade = cascade
         self._kv_bytes_per_token = 2 * num_kv_heads * head_dim * dtype.itemsize  # K and V, one layer
         self._cascade: _CascadeStep | None = None  # this batch's cascade plan, None for a plain step
@@ -176,9 +178,10 @@ class FlashInferBackend(AttentionBackend):
         groups = self._decode_groups(batch)
         return groups is not None and self._saved_bytes(groups) >= CASCADE_GRAPH_MIN_SAVED_BYTES
 
-    def wants_graph_cascade(self, batch: ForwardBatch) -> bool:
+    def wants_graph_cascade(self, batch: ForwardBatch, padded_size: int) -> bool:
         groups = self._decode_groups(batch)
-        return groups is not None and self._saved_bytes(groups) >= CASCADE_IN_GRAPH_MIN_SAVED_BYTES
+        return (groups is not None and self._saved_bytes(groups) >= CASCADE_IN_GRAPH_MIN_SAVED_BYTES
+                and len(groups.groups) < graph_prefix_segments(padded_size))
 
     def _planning(self) -> None:
         """Waits until the device has taken the previous plan. A wrapper's plan writes a pinned
@@ -271,13 +274,24 @@ class FlashInferBackend(AttentionBackend):
             return torch.zeros(n, dtype=dtype, device=self.device)
 
         segments = graph_prefix_segments(batch_size)
+        if self._cascade_workspace is None:  # sized by the first (largest) bucket captured
+            self._cascade_workspace = torch.zeros(self._graph_prefix_scratch_bytes(batch_size, segments),
+                                                  dtype=torch.uint8, device=self.device)
         prefix = self._flashinfer.BatchPrefillWithPagedKVCacheWrapper(
-            self.workspace, "HND", use_cuda_graph=True, qo_indptr_buf=zeros(segments + 1),
+            self._cascade_workspace, "HND", use_cuda_graph=True, qo_indptr_buf=zeros(segments + 1),
             paged_kv_indptr_buf=zeros(segments + 1), paged_kv_indices_buf=prefix_indices,
             paged_kv_last_page_len_buf=zeros(segments), backend=_BACKEND)
         rows = torch.arange(batch_size, device=self.device)
         return GraphCascade(self.make_graph_decode_wrapper(batch_size, own_indices), prefix, rows, rows.clone(),
                             zeros(batch_size, torch.bool))
+
+    def _graph_prefix_scratch_bytes(self, batch_size: int, segments: int) -> int:
+        """Split-KV scratch of a graph-mode level-1 plan: FlashInfer sizes it for its largest
+        grid, one 128-row query tile (outputs and log-sum-exp, float32) per CTA: a tile per
+        segment plus the packed rows' tiles, and headroom for its minimum split grid."""
+        group = self.num_heads // self.num_kv_heads
+        ctas = segments + -(-batch_size * group // 128) + 64
+        return ctas * 128 * self.num_heads * (self.head_dim + 1) * 4 + (32 << 20)
 
     def plan_graph_cascade(self, graph: GraphCascade, batch: ForwardBatch | None, padded_size: int,
                            out_cache_loc: torch.Tensor) -> None:
