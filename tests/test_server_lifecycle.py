@@ -57,8 +57,12 @@ def test_more_work_than_kv_completes_through_queueing_and_retraction(small_serve
     assert "retracted" in small_server.log()
 
 
-def test_sigterm_stops_children_and_removes_sockets():
-    srv = ServerProcess("--max-total-tokens", "1024")
+def test_sigterm_stops_children_and_removes_sockets(default_model):
+    # A tokenizer directory: the main process reads it while the children start.
+    srv = ServerProcess("--max-total-tokens", "1024", "--tokenizer-path", str(default_model.local_dir))
+    with srv.client() as c:
+        out = c.post("/generate", json={"text": "Hello", "sampling_params": {"max_new_tokens": 2, "ignore_eos": True}})
+    assert out.status_code == 200 and out.json()["meta_info"]["completion_tokens"] == 2
     children = srv.children_pids()
     ipc_dir = re.search(r"ipc directory: (\S+)", srv.log()).group(1)
     assert os.path.isdir(ipc_dir) and os.stat(ipc_dir).st_mode & 0o777 == 0o700
