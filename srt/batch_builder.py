@@ -57,15 +57,17 @@ def build_extend_batch(plans: list[ExtendPlan], device: torch.device) -> Forward
 def build_decode_batch(reqs: list[Req], slots: list[int], device: torch.device,
                        last_tokens: torch.Tensor | None = None) -> ForwardBatch:
     """Each request feeds its newest token, whose KV goes to `slots[i]`: its last output token,
-    or, when `last_tokens` (the newest sampled token per table row, on the device) is given,
-    that one, which may not have reached the host yet (overlap scheduling)."""
+    or, for a request whose newest token has not reached the host yet (overlap scheduling), the
+    one in `last_tokens` (the newest sampled token per table row, on the device). A token read
+    back may have been replaced since (jump-forward retokenizes it): the host has the truth."""
     seq_lens = [r.kv_len + 1 for r in reqs]
     rows = [r.req_pool_idx for r in reqs]
-    host_ids = [r.output_ids[-1] for r in reqs] if last_tokens is None else [0] * len(reqs)
-    ids, pos, loc, req_idx, lens, logits = _to_device(device, host_ids, [r.kv_len for r in reqs],
-                                                      slots, rows, seq_lens, range(len(reqs)))
+    host_ids = [r.output_ids[-1] if not r.pending_tokens else 0 for r in reqs]
+    pending = [1 if r.pending_tokens else 0 for r in reqs]
+    ids, pos, loc, req_idx, lens, logits, on_device = _to_device(
+        device, host_ids, [r.kv_len for r in reqs], slots, rows, seq_lens, range(len(reqs)), pending)
     if last_tokens is not None:
-        ids = last_tokens[req_idx]
+        ids = torch.where(on_device.bool(), last_tokens[req_idx], ids)
     return ForwardBatch(
         mode=ForwardMode.DECODE,
         input_ids=ids,
