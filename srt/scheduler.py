@@ -30,6 +30,7 @@ from radixlm.srt.logprobs import record_input_logprobs, record_output_logprob
 from radixlm.srt.mem_pool import PageAllocator, ReqToTokenPool
 from radixlm.srt.model_runner import ModelRunner, kv_slots_for
 from radixlm.srt.request import FinishReason, Req
+from radixlm.srt.request_kv import RequestKV
 from radixlm.srt.sampler import apply_penalties, sample
 from radixlm.srt.server_args import ServerArgs
 from radixlm.srt.token_transfer import SampledStep, TokenTransfer
@@ -62,6 +63,7 @@ class Scheduler:
         self.runner = ModelRunner(loaded, args, self.req_pool.table, self.allocator.num_pages * args.page_size)
         self.tree = RadixCache(self.allocator.capacity, self.allocator.free, page_size=args.page_size,
                                disable=args.disable_radix_cache)
+        self.kv = RequestKV(self.allocator, self.req_pool, self.tree, args.page_size)
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []
         self.chunked: Req | None = None  # a request whose prompt is being prefilled in chunks
@@ -102,7 +104,7 @@ class Scheduler:
         for req in self.running + ([self.chunked] if self.chunked else []):
             if req.rid == rid and not req.finished:
                 req.finish_reason = FinishReason("abort")
-                self._release(req)
+                self.kv.release(req)
                 self.running = [r for r in self.running if r is not req]
                 if self.chunked is req:
                     self.chunked = None
@@ -122,7 +124,7 @@ class Scheduler:
         for req in reqs:
             if not req.finished:
                 req.finish_reason = FinishReason("abort", message=message)
-            self._release(req)
+            self.kv.release(req)
         return reqs
 
     def flush_cache(self) -> bool:
@@ -182,14 +184,14 @@ class Scheduler:
                 break
             if newly_admitted and self._shares_uncached_prefix(req, plans):
                 continue  # next step its prefix comes from the cache instead of being recomputed
-            if newly_admitted and not self._admit(req):
+            if newly_admitted and not self.kv.admit(req):
                 break
             extend_len = min(req.seq_len - req.kv_len, budget)
             reserve = self._decode_reserve(plans) if newly_admitted else 0
-            slots = self._alloc(req, extend_len, reserve)
+            slots = self.kv.alloc(req, extend_len, reserve)
             if slots is None:
                 if newly_admitted:
-                    self._release(req)  # still in `waiting`; it retries when memory frees up
+                    self.kv.release(req)  # still in `waiting`; it retries when memory frees up
                 else:
                     self.chunked = req
                 break
@@ -223,40 +225,6 @@ class Scheduler:
             return list(self.waiting)
         # lpm: longest cached prefix first, so shared prefixes are computed once and reused.
         return sorted(self.waiting, key=lambda r: -self.tree.cached_prefix_len(r.fill_ids[:-1], r.namespace))
-
-    def _admit(self, req: Req) -> bool:
-        """Takes a table row and locks the longest cached prefix."""
-        row = self.req_pool.alloc()
-        if row is None:
-            return False
-        req.req_pool_idx = row
-        key_len = req.seq_len - 1  # at least one token is computed, to get its logits
-        if req.wants_input_logprobs and not req.output_ids:
-            key_len = min(key_len, max(0, req.logprob.logprob_start_len - 1))
-        match = self.tree.match_prefix(req.fill_ids[:key_len], namespace=req.namespace)
-        self.tree.lock(match.node)
-        req.last_node = match.node
-        req.kv_len = req.cached_len = match.matched_len
-        if not req.output_ids:
-            req.cached_tokens = match.matched_len
-        if match.matched_len:
-            self.req_pool.table[row, :match.matched_len] = torch.tensor(match.slot_indices, dtype=torch.int64)
-        return True
-
-    def _alloc(self, req: Req, new_len: int, reserve: int = 0) -> list[int] | None:
-        """KV slots for `new_len` more tokens of `req` (keeping `reserve` free), evicting from the
-        tree when short. None, taking nothing, when they do not fit."""
-        needed = self.allocator.slots_needed(req.kv_len, new_len) + reserve
-        if needed > self.allocator.available_size:
-            self.tree.evict(needed - self.allocator.available_size)
-            if needed > self.allocator.available_size:
-                return None
-        last = int(self.req_pool.table[req.req_pool_idx, req.kv_len - 1]) if req.kv_len else None
-        slots = self.allocator.alloc(req.kv_len, new_len, last)
-        if slots is not None:
-            self.req_pool.table[req.req_pool_idx, req.kv_len:req.kv_len + new_len] = torch.tensor(slots)
-            req.alloc_len = req.kv_len + new_len
-        return slots
 
     def _extend_plan(self, req: Req, extend_len: int, slots: list[int]) -> ExtendPlan:
         """Keeps logits for prompt-logprob rows (first prefill only) and, when the prompt
@@ -294,15 +262,15 @@ class Scheduler:
             if req.wants_input_logprobs and not req.output_ids:
                 record_input_logprobs(req, rows, plan.first_logit_pos)
             if req.kv_len < req.seq_len:
-                self._cache_unfinished(req)
+                self.kv.cache_unfinished(req)
                 self.chunked = req
             elif req.sampling_params.max_new_tokens == 0:
                 req.finish_reason = FinishReason("length")
-                self._release(req)
+                self.kv.release(req)
             else:
                 # Share the prompt now, not at the end: requests arriving while this one
                 # decodes (other samples, other questions on the same few-shot prefix) hit it.
-                self._cache_unfinished(req)
+                self.kv.cache_unfinished(req)
                 done_prefill.append((req, rows[-1]))
         for plan in riders:  # decoding requests: their next token, nothing to cache
             plan.req.kv_len = plan.req.total_len
@@ -366,35 +334,21 @@ class Scheduler:
         """KV slots for the tokens each running request feeds next (its last sampled one, or
         several after a jump-forward), as one-logit extend plans. The caller made room."""
         if all(r.total_len - r.kv_len == 1 for r in reqs):
-            return [ExtendPlan(r, r.kv_len, 1, [slot], r.kv_len, 1) for r, slot in zip(reqs, self._alloc_one_each(reqs))]
+            return [ExtendPlan(r, r.kv_len, 1, [slot], r.kv_len, 1) for r, slot in zip(reqs, self.kv.alloc_one_each(reqs))]
         plans = []
         for req in reqs:
-            slots = self._alloc(req, req.seq_len - req.kv_len)
+            slots = self.kv.alloc(req, req.seq_len - req.kv_len)
             if slots is None:
                 raise RuntimeError("the KV pool cannot hold one request; raise --max-total-tokens")
             plans.append(ExtendPlan(req, req.kv_len, len(slots), slots, req.seq_len - 1, 1))
         return plans
 
-    def _alloc_one_each(self, reqs: list[Req]) -> list[int]:
-        """A slot for each request's next token, in one allocator call and one table write
-        (per-request calls cost ~30 us each: 7 ms a step at 256 requests)."""
-        rows = torch.tensor([r.req_pool_idx for r in reqs])
-        cols = torch.tensor([r.kv_len for r in reqs])
-        table = self.req_pool.table
-        last = table[rows, cols - 1].tolist() if self.args.page_size > 1 else None
-        slots = self.allocator.alloc_one_each(cols.tolist(), last)
-        if slots is None:
-            raise RuntimeError("the KV pool cannot hold one request; raise --max-total-tokens")
-        table[rows, cols] = torch.tensor(slots)
-        for req in reqs:
-            req.alloc_len = req.kv_len + 1
-        return slots
-
     def _retract(self, req: Req) -> None:
         """Sends a running request back to waiting, freeing its KV; it resumes later by
         prefilling its prompt and output so far (greedy output is unchanged)."""
         self.running.remove(req)
-        self._release(req, keep_waiting=True)
+        self.kv.release(req, retracting=True)
+        self.waiting.appendleft(req)
         logger.info("retracted %s to free KV (%d slots free)", req.rid, self.allocator.available_size)
 
     # ---- sampling and finishing --------------------------------------------------------------
@@ -435,50 +389,7 @@ class Scheduler:
             reason = reason or check_finished(req, self.eos_ids, self.context_len, self.tokenizer)
             if reason is not None:
                 req.finish_reason = reason
-                self._release(req)
-
-    # ---- KV ownership --------------------------------------------------------------------------
-
-    def _cache_unfinished(self, req: Req) -> None:
-        """Inserts a running request's computed tokens into the tree and locks them, so they
-        are shared before it finishes; its table row then points at the tree's slots."""
-        row = req.req_pool_idx
-        key = req.fill_ids[:req.kv_len]
-        slots = self.req_pool.table[row, :req.kv_len].tolist()
-        already = self.tree.insert(key, slots, namespace=req.namespace)
-        self.allocator.free(slots[req.cached_len:already])
-        match = self.tree.match_prefix(key, namespace=req.namespace, record_stats=False)
-        self.tree.unlock(req.last_node)
-        self.tree.lock(match.node)
-        req.last_node = match.node
-        req.cached_len = match.matched_len
-        self.req_pool.table[row, :match.matched_len] = torch.tensor(match.slot_indices, dtype=torch.int64)
-
-    def _release(self, req: Req, keep_waiting: bool = False) -> None:
-        """Gives a request's KV back: its computed sequence goes into the tree (unless aborted or
-        retracted), its own slots are freed, the lock and table row are released."""
-        if req.req_pool_idx is None:
-            return
-        row = req.req_pool_idx
-        # Up to alloc_len: a forward that failed may have taken slots it never filled.
-        slots = self.req_pool.table[row, :max(req.kv_len, req.alloc_len)].tolist()
-        adopted = req.cached_len
-        if not keep_waiting and req.finish_reason is not None and req.finish_reason.type != "abort":
-            already = self.tree.insert(req.fill_ids[:req.kv_len], slots[:req.kv_len], namespace=req.namespace)
-            self.allocator.free(slots[req.cached_len:already])
-            adopted = max(already, self._aligned(req.kv_len) if not self.tree.disable else 0)
-        self.allocator.free(slots[adopted:])
-        self.tree.unlock(req.last_node)
-        self.req_pool.free(row)
-        req.req_pool_idx = None
-        req.last_node = None
-        req.kv_len = req.cached_len = req.alloc_len = 0
-        if keep_waiting:
-            self.waiting.appendleft(req)
-
-    def _aligned(self, length: int) -> int:
-        return length - length % self.args.page_size
-
+                self.kv.release(req)
 
     # ---- introspection ---------------------------------------------------------------------------
 
