@@ -35,23 +35,10 @@ def build_extend_batch(plans: list[ExtendPlan], device: torch.device) -> Forward
         out_cache_loc.extend(plan.slots)
         first = row0 + plan.first_logit_pos - plan.start
         logit_rows.extend(range(first, first + plan.logit_count))
-    seq_lens = [p.start + p.extend_len for p in plans]
-    rows = [p.req.req_pool_idx for p in plans]
-    ids, pos, loc, req_idx, lens, logits = _to_device(device, input_ids, positions, out_cache_loc, rows, seq_lens,
-                                                      logit_rows)
-    return ForwardBatch(
-        mode=ForwardMode.EXTEND,
-        input_ids=ids,
-        positions=pos,
-        out_cache_loc=loc,
-        req_pool_indices=req_idx,
-        req_pool_indices_cpu=rows,
-        seq_lens=lens,
-        seq_lens_cpu=seq_lens,
-        prefix_lens_cpu=[p.start for p in plans],
-        extend_lens_cpu=[p.extend_len for p in plans],
-        logit_rows=logits,
-    )
+    batch, _ = _forward_batch(device, ForwardMode.EXTEND, input_ids, positions, out_cache_loc,
+                              [p.req.req_pool_idx for p in plans], [p.start for p in plans],
+                              [p.extend_len for p in plans], logit_rows)
+    return batch
 
 
 def build_decode_batch(reqs: list[Req], slots: list[int], device: torch.device,
@@ -60,27 +47,29 @@ def build_decode_batch(reqs: list[Req], slots: list[int], device: torch.device,
     or, for a request whose newest token has not reached the host yet (overlap scheduling), the
     one in `last_tokens` (the newest sampled token per table row, on the device). A token read
     back may have been replaced since (jump-forward retokenizes it): the host has the truth."""
-    seq_lens = [r.kv_len + 1 for r in reqs]
-    rows = [r.req_pool_idx for r in reqs]
     host_ids = [r.output_ids[-1] if not r.pending_tokens else 0 for r in reqs]
     pending = [1 if r.pending_tokens else 0 for r in reqs]
-    ids, pos, loc, req_idx, lens, logits, on_device = _to_device(
-        device, host_ids, [r.kv_len for r in reqs], slots, rows, seq_lens, range(len(reqs)), pending)
+    positions = [r.kv_len for r in reqs]
+    batch, (on_device,) = _forward_batch(device, ForwardMode.DECODE, host_ids, positions, slots,
+                                         [r.req_pool_idx for r in reqs], positions, [1] * len(reqs),
+                                         range(len(reqs)), pending)
     if last_tokens is not None:
-        ids = torch.where(on_device.bool(), last_tokens[req_idx], ids)
-    return ForwardBatch(
-        mode=ForwardMode.DECODE,
-        input_ids=ids,
-        positions=pos,
-        out_cache_loc=loc,
-        req_pool_indices=req_idx,
-        req_pool_indices_cpu=rows,
-        seq_lens=lens,
-        seq_lens_cpu=seq_lens,
-        prefix_lens_cpu=[r.kv_len for r in reqs],
-        extend_lens_cpu=[1] * len(reqs),
-        logit_rows=logits,
-    )
+        batch.input_ids = torch.where(on_device.bool(), last_tokens[batch.req_pool_indices], batch.input_ids)
+    return batch
+
+
+def _forward_batch(device: torch.device, mode: ForwardMode, input_ids, positions, out_cache_loc, rows: list[int],
+                   prefix_lens: list[int], extend_lens: list[int], logit_rows,
+                   *extra_columns) -> tuple[ForwardBatch, list[torch.Tensor]]:
+    """The batch from its host columns (and any extra columns, copied along in the same
+    host-to-device copy and returned as device tensors)."""
+    seq_lens = [p + n for p, n in zip(prefix_lens, extend_lens)]
+    ids, pos, loc, req_idx, lens, logits, *extra = _to_device(device, input_ids, positions, out_cache_loc, rows,
+                                                              seq_lens, logit_rows, *extra_columns)
+    batch = ForwardBatch(mode=mode, input_ids=ids, positions=pos, out_cache_loc=loc, req_pool_indices=req_idx,
+                         req_pool_indices_cpu=rows, seq_lens=lens, seq_lens_cpu=seq_lens, prefix_lens_cpu=prefix_lens,
+                         extend_lens_cpu=extend_lens, logit_rows=logits)
+    return batch, extra
 
 
 def _to_device(device: torch.device, *columns) -> list[torch.Tensor]:

@@ -165,38 +165,34 @@ def _generate(config_path: str, count_cascade: list[int], counted: str = "_plan_
         torch.cuda.empty_cache()
 
 
+# How each test mode forces cascade on the small model's batches (which save far less KV than
+# the thresholds ask for), and the backend planner that runs on every such decode step.
+CASCADE_MODES = {
+    "eager": ({"flashinfer_backend.CASCADE_GRAPH_MIN_SAVED_BYTES": 0,
+               "flashinfer_backend.CASCADE_EAGER_MIN_SAVED_BYTES": 0}, "_plan_cascade"),
+    # Buckets of 8 and 16 get cascade graphs here (64 and up by default).
+    "cuda-graph": ({"cuda_graph_runner.CASCADE_GRAPH_MIN_BS": 8,
+                    "flashinfer_backend.CASCADE_IN_GRAPH_MIN_SAVED_BYTES": 0}, "plan_graph_cascade"),
+}
+
+
+@pytest.mark.parametrize("mode", list(CASCADE_MODES))
 @pytest.mark.parametrize("page_size", [1, 16])
-def test_engine_greedy_outputs_equal_with_and_without_cascade(tmp_path, monkeypatch, page_size):
+def test_engine_greedy_outputs_equal_with_and_without_cascade(tmp_path, monkeypatch, page_size, mode):
+    from radixlm.srt import cuda_graph_runner
     from radixlm.srt.attention import flashinfer_backend
 
+    modules = {"flashinfer_backend": flashinfer_backend, "cuda_graph_runner": cuda_graph_runner}
+    patches, planner = CASCADE_MODES[mode]
+    for target, value in patches.items():
+        module, name = target.split(".")
+        monkeypatch.setattr(modules[module], name, value)
     config_path = small_llama_config(tmp_path)
-    # The small model's batch saves far less KV than the thresholds ask for: cascade on every
-    # decode step with groups, in place of the CUDA graph.
-    monkeypatch.setattr(flashinfer_backend, "CASCADE_GRAPH_MIN_SAVED_BYTES", 0)
-    monkeypatch.setattr(flashinfer_backend, "CASCADE_EAGER_MIN_SAVED_BYTES", 0)
     cascaded: list[int] = []
-    with_cascade = _generate(config_path, cascaded, page_size=page_size)
+    with_cascade = _generate(config_path, cascaded, counted=planner, page_size=page_size)
     assert len(cascaded) >= NEW_TOKENS - 1  # every decode step of the batch had groups
     plain_plans: list[int] = []
     without = _generate(config_path, plain_plans, page_size=page_size, disable_cascade_attention=True)
     assert not plain_plans
-    assert_same_greedy(without, with_cascade)
-
-
-@pytest.mark.parametrize("page_size", [1, 16])
-def test_cascade_cuda_graphs_keep_greedy_outputs(tmp_path, monkeypatch, page_size):
-    """Buckets of 8 and 16 get cascade graphs here (64 and up by default)."""
-    from radixlm.srt import cuda_graph_runner
-    from radixlm.srt.attention import flashinfer_backend
-
-    config_path = small_llama_config(tmp_path)
-    monkeypatch.setattr(cuda_graph_runner, "CASCADE_GRAPH_MIN_BS", 8)
-    monkeypatch.setattr(flashinfer_backend, "CASCADE_IN_GRAPH_MIN_SAVED_BYTES", 0)
-    replays: list[int] = []
-    with_cascade = _generate(config_path, replays, counted="plan_graph_cascade", page_size=page_size)
-    assert len(replays) >= NEW_TOKENS - 1
-    eager: list[int] = []
-    without = _generate(config_path, eager, page_size=page_size, disable_cascade_attention=True)
-    assert not eager
     assert_same_greedy(without, with_cascade)
 
