@@ -58,7 +58,7 @@ def main() -> None:
 
 
 def _local_dir() -> str:
-    from radixlm.srt.model_loader import load_model
+    from radixlm.srt.executor.model_loader import load_model
 
     return load_model().local_dir
 

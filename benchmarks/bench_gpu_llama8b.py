@@ -447,7 +447,7 @@ def main() -> None:
     hf_tok_s = run_hf_baseline(rep, prompts, out_lens) if "offline" in suites and not args.no_hf else None
 
     from radixlm.srt import Engine
-    from radixlm.srt.model_runner import model_bytes
+    from radixlm.srt.executor.model_runner import model_bytes
 
     def make_engine(**overrides):
         return Engine(str(CONFIG), load_format="dummy", tokenizer_path=tokenizer,

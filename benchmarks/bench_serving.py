@@ -355,7 +355,7 @@ def main(argv: list[str]) -> int:
     args = parse_args(argv)
     signal.signal(signal.SIGTERM, raise_on_sigterm)
     signal.signal(signal.SIGINT, signal.default_int_handler)  # even if started with SIGINT ignored
-    from radixlm.srt.model_loader import load_model
+    from radixlm.srt.executor.model_loader import load_model
 
     tokenizer = load_model(args.model_path, with_weights=False).tokenizer
     pool = ds.wordlike_token_pool(tokenizer)

@@ -23,7 +23,7 @@ def load_hf_model(model_path: str | None):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from radixlm.srt.model_loader import load_model
+    from radixlm.srt.executor.model_loader import load_model
 
     local_dir = load_model(model_path, with_weights=False).local_dir
     return AutoModelForCausalLM.from_pretrained(local_dir, dtype=torch.float32).eval()

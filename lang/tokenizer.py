@@ -8,7 +8,7 @@ torch, so a client starts in a second or two. The server tokenizes with
 `apply_chat_template(..., tokenize=False)`; these produce the same ids and text.
 
 Where the files are not on disk in HF form (a GGUF never converted, a hub id), the runtime's
-own loader (`radixlm.srt.model_loader`, which imports torch) is used once to produce them.
+own loader (`radixlm.srt.executor.model_loader`, which imports torch) is used once to produce them.
 """
 
 from __future__ import annotations
@@ -119,7 +119,7 @@ def _load(model_path: str | None, tokenizer_path: str | None) -> ClientTokenizer
             logger.debug("client tokenizer from %s", directory)
             return DirTokenizer(directory)
     # Convert or download through the runtime's loader; it caches what it produces.
-    from radixlm.srt.model_loader import load_model
+    from radixlm.srt.executor.model_loader import load_model
 
     meta = load_model(model_path, tokenizer_path=tokenizer_path, with_weights=False)
     if meta.tokenizer is None:

@@ -11,13 +11,13 @@ from typing import Any
 
 import torch
 
-from radixlm.srt.finish import output_text
-from radixlm.srt.input_validation import prompt_token_ids
-from radixlm.srt.logprobs import logprob_meta
-from radixlm.srt.request import LogprobOptions, Req
-from radixlm.srt.sampler import make_generator
+from radixlm.srt.scheduler.finish import output_text
+from radixlm.srt.server.input_validation import prompt_token_ids
+from radixlm.srt.executor.logprobs import logprob_meta
+from radixlm.srt.scheduler.request import LogprobOptions, Req
+from radixlm.srt.executor.sampler import make_generator
 from radixlm.srt.sampling_params import SamplingParams
-from radixlm.srt.scheduler import Scheduler
+from radixlm.srt.scheduler.scheduler import Scheduler
 from radixlm.srt.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
@@ -27,7 +27,7 @@ class Engine:
     """`Engine(model_path=None, **server_args)`; `model_path=None` is the embedded default model."""
 
     def __init__(self, model_path: str | None = None, **server_args: Any):
-        from radixlm.srt.model_loader import load_model
+        from radixlm.srt.executor.model_loader import load_model
 
         self.server_args = ServerArgs.from_kwargs(model_path=model_path, **server_args)
         args = self.server_args

@@ -112,11 +112,11 @@ def launch_server(args: ServerArgs, served_model_name: str | None = None, log_le
     """Runs the server until SIGINT/SIGTERM (returns 0) or a child process dies (returns 1)."""
     import uvicorn
 
-    from radixlm.srt.detokenizer import run_detokenizer_process
-    from radixlm.srt.http_server import ServerState, create_app
-    from radixlm.srt.model_loader import load_model
-    from radixlm.srt.scheduler_process import run_scheduler_process
-    from radixlm.srt.tokenizer_manager import TokenizerManager
+    from radixlm.srt.detokenizer.process import run_detokenizer_process
+    from radixlm.srt.server.http_server import ServerState, create_app
+    from radixlm.srt.executor.model_loader import load_model
+    from radixlm.srt.scheduler.process import run_scheduler_process
+    from radixlm.srt.server.tokenizer_manager import TokenizerManager
 
     def read_meta():
         meta = load_model(args.model_path, load_format=args.load_format, tokenizer_path=args.tokenizer_path,
@@ -198,7 +198,7 @@ def launch_server(args: ServerArgs, served_model_name: str | None = None, log_le
 
 def _register_openai(app: Any, tm: Any, model_name: str) -> None:
     try:
-        from radixlm.srt.openai_api import register_openai_routes
+        from radixlm.srt.server.openai_api import register_openai_routes
     except ImportError:  # pragma: no cover - the OpenAI layer is optional while it is being built
         logger.warning("OpenAI API routes are not available")
         return

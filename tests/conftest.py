@@ -17,7 +17,7 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(scope="session")
 def default_model():
-    from radixlm.srt.model_loader import load_model
+    from radixlm.srt.executor.model_loader import load_model
 
     return load_model()
 

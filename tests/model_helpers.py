@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from radixlm.srt.batch_builder import ExtendPlan, build_extend_batch
-from radixlm.srt.request import Req
+from radixlm.srt.executor.batch_builder import ExtendPlan, build_extend_batch
+from radixlm.srt.scheduler.request import Req
 from radixlm.srt.sampling_params import SamplingParams
 
 

@@ -7,10 +7,10 @@ import math
 import pytest
 import torch
 
-from radixlm.srt.attention import torch_native
-from radixlm.srt.attention.torch_native import TorchNativeBackend
-from radixlm.srt.forward_batch import ForwardBatch, ForwardMode
-from radixlm.srt.mem_pool import KVPool
+from radixlm.srt.executor.attention import torch_native
+from radixlm.srt.executor.attention.torch_native import TorchNativeBackend
+from radixlm.srt.executor.forward_batch import ForwardBatch, ForwardMode
+from radixlm.srt.executor.mem_pool import KVPool
 
 HKV, GROUP, D = 3, 3, 64
 
@@ -141,7 +141,7 @@ def test_extend_batch_with_riding_decodes_matches_plain_attention():
 
 
 def test_find_groups_rounds_shared_prefix_down_to_pages():
-    from radixlm.srt.attention.cascade_groups import find_groups
+    from radixlm.srt.executor.attention.cascade_groups import find_groups
 
     table = torch.arange(6 * 400, dtype=torch.int64).view(6, 400) + 10_000  # every slot distinct
     table[1, :100] = table[0, :100]  # rows 0-1 share 100 slots
@@ -164,9 +164,9 @@ def test_find_groups_rounds_shared_prefix_down_to_pages():
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_cascade_page_tables_cover_each_request(page_size):
     """Level 1's shared pages followed by level 2's own pages are exactly each request's KV."""
-    from radixlm.srt.attention.cascade_groups import find_groups
-    from radixlm.srt.attention.flashinfer_backend import cascade_page_tables
-    from radixlm.srt.mem_pool import PageAllocator
+    from radixlm.srt.executor.attention.cascade_groups import find_groups
+    from radixlm.srt.executor.attention.flashinfer_backend import cascade_page_tables
+    from radixlm.srt.executor.mem_pool import PageAllocator
 
     alloc = PageAllocator(capacity_tokens=8192, page_size=page_size)
     table = torch.zeros(12, 1024, dtype=torch.int64)
@@ -214,9 +214,9 @@ def test_graph_cascade_tables_have_fixed_sizes_and_cover_each_request(page_size)
     """A cascade CUDA graph's tables: sizes fixed by the bucket, the groups' rows first (merged),
     every other row (requests outside groups, padding) in one level-1 segment on the padding
     page, and level 1 + level 2 still exactly each grouped request's KV."""
-    from radixlm.srt.attention.cascade_groups import find_groups
-    from radixlm.srt.attention.flashinfer_backend import graph_cascade_tables, graph_prefix_segments
-    from radixlm.srt.mem_pool import PageAllocator
+    from radixlm.srt.executor.attention.cascade_groups import find_groups
+    from radixlm.srt.executor.attention.flashinfer_backend import graph_cascade_tables, graph_prefix_segments
+    from radixlm.srt.executor.mem_pool import PageAllocator
 
     alloc = PageAllocator(capacity_tokens=8192, page_size=page_size)
     table = torch.zeros(8, 1024, dtype=torch.int64)

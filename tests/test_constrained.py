@@ -155,7 +155,7 @@ def test_compile_timeout_fails_only_that_request(engine, monkeypatch):
 def test_retraction_keeps_the_grammar_state(engine):
     """A request retracted mid-output (its KV freed) resumes by prefilling its output so far;
     its matcher must still agree with that output, so the result stays valid."""
-    from radixlm.srt.request import Req
+    from radixlm.srt.scheduler.request import Req
     from radixlm.srt.sampling_params import SamplingParams
 
     sched = engine.scheduler

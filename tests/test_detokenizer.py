@@ -14,10 +14,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from radixlm.srt import io_struct
-from radixlm.srt.detokenizer import DetokenizerManager, run_detokenizer_process
-from radixlm.srt.incremental_detok import REPLACEMENT_CHAR, IncrementalDetokenizer
+from radixlm.srt.detokenizer.process import DetokenizerManager, run_detokenizer_process
+from radixlm.srt.detokenizer.incremental import REPLACEMENT_CHAR, IncrementalDetokenizer
 from radixlm.srt.io_struct import BatchTextOut, BatchTokenOut, ControlReply, ReadySignal, ReqOutput
-from radixlm.srt.model_loader import load_tokenizer
+from radixlm.srt.executor.model_loader import load_tokenizer
 
 TEXTS = [
     "Hello 😀 wörld 你好, naïve café — ok?",

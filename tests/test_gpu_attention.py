@@ -7,9 +7,9 @@ import math
 import pytest
 import torch
 
-from radixlm.srt.forward_batch import ForwardBatch, ForwardMode
-from radixlm.srt.mem_pool import KVPool, PageAllocator
-from radixlm.srt.models.ops import TorchOps
+from radixlm.srt.executor.forward_batch import ForwardBatch, ForwardMode
+from radixlm.srt.executor.mem_pool import KVPool, PageAllocator
+from radixlm.srt.executor.models.ops import TorchOps
 
 pytestmark = pytest.mark.gpu
 
@@ -18,8 +18,8 @@ DTYPE = torch.bfloat16
 
 
 def _setup(page_size: int):
-    from radixlm.srt.attention.flashinfer_backend import FlashInferBackend
-    from radixlm.srt.attention.torch_native import TorchNativeBackend
+    from radixlm.srt.executor.attention.flashinfer_backend import FlashInferBackend
+    from radixlm.srt.executor.attention.torch_native import TorchNativeBackend
 
     alloc = PageAllocator(capacity_tokens=8192, page_size=page_size)
     pool = KVPool(alloc.num_pages * page_size, 1, NUM_KV_HEADS, HEAD_DIM, DTYPE, "cuda")
@@ -96,7 +96,7 @@ def test_flashinfer_matches_torch_native_on_extend_and_decode(page_size):
 
 
 def test_triton_ops_match_torch_ops():
-    from radixlm.srt.models.ops import TritonOps
+    from radixlm.srt.executor.models.ops import TritonOps
 
     gen = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(37, 4096, generator=gen, device="cuda").to(DTYPE)
@@ -112,7 +112,7 @@ def test_triton_ops_match_torch_ops():
     qkv = torch.randn(37, (8 + 2 * 2) * 128, generator=gen, device="cuda").to(DTYPE)
     q, k = qkv[:, :1024].view(37, 8, 128), qkv[:, 1024:1280].view(37, 2, 128)
     pos = torch.randint(0, 4000, (37,), generator=gen, device="cuda")
-    from radixlm.srt.models.rotary import RotaryEmbedding
+    from radixlm.srt.executor.models.rotary import RotaryEmbedding
 
     rope = RotaryEmbedding(None, 128, 500000.0, 4096, device="cuda")
     cos, sin = rope.cos_cache.to(DTYPE), rope.sin_cache.to(DTYPE)

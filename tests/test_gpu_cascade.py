@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from gpu_helpers import assert_same_greedy, llama3_tokenizer_path, small_llama_config
-from radixlm.srt.forward_batch import ForwardBatch, ForwardMode
-from radixlm.srt.mem_pool import KVPool, PageAllocator
+from radixlm.srt.executor.forward_batch import ForwardBatch, ForwardMode
+from radixlm.srt.executor.mem_pool import KVPool, PageAllocator
 
 pytestmark = pytest.mark.gpu
 
@@ -79,9 +79,9 @@ def _decode_batch(alloc, table, reqs) -> ForwardBatch:
 
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_cascade_decode_matches_plain_flashinfer_and_torch_native(page_size, monkeypatch):
-    from radixlm.srt.attention import flashinfer_backend
-    from radixlm.srt.attention.flashinfer_backend import FlashInferBackend
-    from radixlm.srt.attention.torch_native import TorchNativeBackend
+    from radixlm.srt.executor.attention import flashinfer_backend
+    from radixlm.srt.executor.attention.flashinfer_backend import FlashInferBackend
+    from radixlm.srt.executor.attention.torch_native import TorchNativeBackend
 
     gen = torch.Generator(device="cuda").manual_seed(page_size)
     alloc = PageAllocator(capacity_tokens=16384, page_size=page_size)
@@ -179,8 +179,8 @@ CASCADE_MODES = {
 @pytest.mark.parametrize("mode", list(CASCADE_MODES))
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_engine_greedy_outputs_equal_with_and_without_cascade(tmp_path, monkeypatch, page_size, mode):
-    from radixlm.srt import cuda_graph_runner
-    from radixlm.srt.attention import flashinfer_backend
+    from radixlm.srt.executor import cuda_graph_runner
+    from radixlm.srt.executor.attention import flashinfer_backend
 
     modules = {"flashinfer_backend": flashinfer_backend, "cuda_graph_runner": cuda_graph_runner}
     patches, planner = CASCADE_MODES[mode]

@@ -50,7 +50,7 @@ FAMILIES = {
 
 @pytest.fixture(scope="module")
 def default_dir_tokenizer() -> DirTokenizer:
-    from radixlm.srt.model_loader import default_model_path
+    from radixlm.srt.executor.model_loader import default_model_path
 
     tok = load_client_tokenizer(default_model_path())
     assert isinstance(tok, DirTokenizer)

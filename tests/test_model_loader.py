@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 import torch
 
-from radixlm.srt import gguf_loader, model_loader
-from radixlm.srt.model_loader import LoadedModel, default_model_path, load_model, load_tokenizer, weight_shapes
+from radixlm.srt.executor import gguf_loader, model_loader
+from radixlm.srt.executor.model_loader import LoadedModel, default_model_path, load_model, load_tokenizer, weight_shapes
 
 LLAMA3_TOKENIZER_GGUF = Path("/work/shared/models/llama3-tokenizer-vocab.gguf")
 

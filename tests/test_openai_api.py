@@ -28,7 +28,7 @@ def model(client) -> str:
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    from radixlm.srt.model_loader import load_model
+    from radixlm.srt.executor.model_loader import load_model
 
     return load_model(with_weights=False).tokenizer
 
@@ -272,7 +272,7 @@ def test_completion_seed_reproducible(client, model):
 
 def test_token_bytes_are_exact_for_split_characters(tokenizer):
     """A token holding part of a UTF-8 character reports its exact bytes ("bytes:\\x.." as text)."""
-    from radixlm.srt.openai_protocol import TokenText
+    from radixlm.srt.server.openai_protocol import TokenText
 
     names = TokenText(tokenizer)
     text = "Pizza 🍕 and café ☕"

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from radixlm.srt.request import Req
+from radixlm.srt.scheduler.request import Req
 from radixlm.srt.sampling_params import SamplingParams
 
 
@@ -123,7 +123,7 @@ def test_decode_batch_takes_device_tokens_only_for_pending_ones():
     retokenizes it), so only requests whose token is still in flight read `last_tokens`."""
     import torch
 
-    from radixlm.srt.batch_builder import build_decode_batch
+    from radixlm.srt.executor.batch_builder import build_decode_batch
 
     in_flight = Req(rid="a", origin_input_ids=[1, 2, 3], sampling_params=SamplingParams())
     in_flight.req_pool_idx, in_flight.kv_len, in_flight.pending_tokens = 0, 3, 1

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
-from radixlm.srt.sampler import apply_penalties, make_generator, sample
+from radixlm.srt.executor.sampler import apply_penalties, make_generator, sample
 from radixlm.srt.sampling_params import SamplingParams
 
 PROMPT = "Write a short poem about the sea:\n"

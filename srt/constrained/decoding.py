@@ -9,7 +9,7 @@ from typing import Any, Sequence
 import torch
 
 from radixlm.srt.constrained.grammar_cache import GrammarCache
-from radixlm.srt.request import FinishReason, Req
+from radixlm.srt.scheduler.request import FinishReason, Req
 
 
 class ConstrainedDecoding:

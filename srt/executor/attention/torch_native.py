@@ -12,10 +12,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from radixlm.srt.attention.base import AttentionBackend
-from radixlm.srt.attention.cascade_groups import CASCADE_MIN_PREFIX, find_groups
-from radixlm.srt.forward_batch import ForwardBatch
-from radixlm.srt.mem_pool import KVPool
+from radixlm.srt.executor.attention.base import AttentionBackend
+from radixlm.srt.executor.attention.cascade_groups import CASCADE_MIN_PREFIX, find_groups
+from radixlm.srt.executor.forward_batch import ForwardBatch
+from radixlm.srt.executor.mem_pool import KVPool
 
 
 class TorchNativeBackend(AttentionBackend):

@@ -17,11 +17,11 @@ import zmq
 import zmq.asyncio
 
 from radixlm.srt import io_struct
-from radixlm.srt.input_validation import prompt_token_ids
+from radixlm.srt.server.input_validation import prompt_token_ids
 from radixlm.srt.io_struct import (AbortReq, BatchTextOut, ControlReply, ControlReq, ReqTextOutput,
                                    TokenizedGenerateReq)
-from radixlm.srt.logprobs import logprob_meta
-from radixlm.srt.metrics import Metrics
+from radixlm.srt.executor.logprobs import logprob_meta
+from radixlm.srt.server.metrics import Metrics
 from radixlm.srt.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)

@@ -17,8 +17,8 @@ import time
 
 import torch
 
-from radixlm.srt.attention.flashinfer_backend import CASCADE_GRAPH_MIN_BS, FlashInferBackend
-from radixlm.srt.forward_batch import ForwardBatch
+from radixlm.srt.executor.attention.flashinfer_backend import CASCADE_GRAPH_MIN_BS, FlashInferBackend
+from radixlm.srt.executor.forward_batch import ForwardBatch
 
 logger = logging.getLogger(__name__)
 

@@ -20,8 +20,8 @@ from typing import Any
 
 import torch
 
-from .configs import ModelConfig
-from .gguf_loader import convert_gguf, convert_gguf_tokenizer
+from radixlm.srt.configs import ModelConfig
+from radixlm.srt.executor.gguf_loader import convert_gguf, convert_gguf_tokenizer
 
 logger = logging.getLogger(__name__)
 

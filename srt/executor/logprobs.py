@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from radixlm.srt.request import Req
+from radixlm.srt.scheduler.request import Req
 
 
 def _top(logprobs: torch.Tensor, k: int) -> list[tuple[float, int]]:

@@ -17,7 +17,7 @@ from typing import Any
 import zmq
 
 from radixlm.srt import io_struct
-from radixlm.srt.incremental_detok import IncrementalDetokenizer
+from radixlm.srt.detokenizer.incremental import IncrementalDetokenizer
 from radixlm.srt.io_struct import BatchTextOut, BatchTokenOut, ReadySignal, ReqOutput, ReqTextOutput
 from radixlm.srt.process_utils import exit_when_parent_dies
 
@@ -93,7 +93,7 @@ def run_detokenizer_process(tokenizer_dir: str, recv_addr: str, send_addr: str, 
         ready = open_socket(zmq.PUSH, _READY_LINGER_MS)
         ready.connect(ready_addr)
         try:
-            from radixlm.srt.model_loader import load_tokenizer
+            from radixlm.srt.executor.model_loader import load_tokenizer
 
             manager = DetokenizerManager(load_tokenizer(tokenizer_dir))
             recv_sock = open_socket(zmq.PULL)

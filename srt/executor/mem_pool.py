@@ -133,7 +133,7 @@ class KVPool:
         """k, v: [T, num_kv_heads, head_dim] for the T tokens at `slots`."""
         dtype = self.k_buffers[layer_id].dtype
         if self._triton_store and k.dtype == dtype and v.dtype == dtype:
-            from radixlm.srt.models.triton_ops import store_kv
+            from radixlm.srt.executor.models.triton_ops import store_kv
 
             store_kv(self.k_buffers[layer_id], self.v_buffers[layer_id], slots, k, v)
             return

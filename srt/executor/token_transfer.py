@@ -13,7 +13,7 @@ from typing import Callable
 
 import torch
 
-from radixlm.srt.request import Req
+from radixlm.srt.scheduler.request import Req
 
 
 @dataclass

@@ -25,11 +25,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from radixlm.srt.attention.base import AttentionBackend
-from radixlm.srt.attention.cascade_groups import CASCADE_MIN_PREFIX, CascadeGroups, find_groups
-from radixlm.srt.attention.paged_kv import PagedKV, build_paged_kv, qo_indptr_for
-from radixlm.srt.forward_batch import ForwardBatch
-from radixlm.srt.mem_pool import KVPool
+from radixlm.srt.executor.attention.base import AttentionBackend
+from radixlm.srt.executor.attention.cascade_groups import CASCADE_MIN_PREFIX, CascadeGroups, find_groups
+from radixlm.srt.executor.attention.paged_kv import PagedKV, build_paged_kv, qo_indptr_for
+from radixlm.srt.executor.forward_batch import ForwardBatch
+from radixlm.srt.executor.mem_pool import KVPool
 
 WORKSPACE_BYTES = 256 * 1024 * 1024  # split-KV partial results; FlashInfer recommends >= 128 MiB
 _BACKEND = "fa2"

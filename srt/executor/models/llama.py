@@ -12,10 +12,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from radixlm.srt.attention.base import AttentionBackend
+from radixlm.srt.executor.attention.base import AttentionBackend
 from radixlm.srt.configs import ModelConfig
-from radixlm.srt.models.ops import TorchOps
-from radixlm.srt.models.rotary import RotaryEmbedding
+from radixlm.srt.executor.models.ops import TorchOps
+from radixlm.srt.executor.models.rotary import RotaryEmbedding
 
 
 class RMSNorm(nn.Module):

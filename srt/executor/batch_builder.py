@@ -6,8 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
-from radixlm.srt.forward_batch import ForwardBatch, ForwardMode
-from radixlm.srt.request import Req
+from radixlm.srt.executor.forward_batch import ForwardBatch, ForwardMode
+from radixlm.srt.scheduler.request import Req
 
 
 @dataclass

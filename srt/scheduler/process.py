@@ -15,10 +15,10 @@ import zmq
 from radixlm.srt import io_struct
 from radixlm.srt.io_struct import (AbortReq, BatchTokenOut, ControlReply, ControlReq, ReadySignal, ReqOutput,
                                    TokenizedGenerateReq)
-from radixlm.srt.request import FinishReason, LogprobOptions, Req
-from radixlm.srt.sampler import make_generator
+from radixlm.srt.scheduler.request import FinishReason, LogprobOptions, Req
+from radixlm.srt.executor.sampler import make_generator
 from radixlm.srt.sampling_params import SamplingParams
-from radixlm.srt.scheduler import Scheduler
+from radixlm.srt.scheduler.scheduler import Scheduler
 from radixlm.srt.server_args import ServerArgs
 from radixlm.srt.process_utils import exit_when_parent_dies
 
@@ -173,7 +173,7 @@ def run_scheduler_process(server_args: dict[str, Any], recv_addr: str, send_addr
     ready.setsockopt(zmq.LINGER, 1000)
     ready.connect(ready_addr)
     try:
-        from radixlm.srt.model_loader import load_model
+        from radixlm.srt.executor.model_loader import load_model
 
         args = ServerArgs(**server_args)
         loaded = load_model(args.model_path, dtype=args.resolved_dtype(), load_format=args.load_format,

@@ -12,7 +12,7 @@ import orjson
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from radixlm.srt.tokenizer_manager import GenerateRequest, TokenizerManager, expand_n
+from radixlm.srt.server.tokenizer_manager import GenerateRequest, TokenizerManager, expand_n
 
 logger = logging.getLogger(__name__)
 

@@ -23,17 +23,17 @@ from typing import Any
 import torch
 
 from radixlm.radix import RadixCache, common_prefix_len
-from radixlm.srt.batch_builder import ExtendPlan, build_decode_batch, build_extend_batch
+from radixlm.srt.executor.batch_builder import ExtendPlan, build_decode_batch, build_extend_batch
 from radixlm.srt.constrained.decoding import ConstrainedDecoding
-from radixlm.srt.finish import check_finished
-from radixlm.srt.logprobs import record_input_logprobs, record_output_logprob
-from radixlm.srt.mem_pool import PageAllocator, ReqToTokenPool
-from radixlm.srt.model_runner import ModelRunner, kv_slots_for
-from radixlm.srt.request import FinishReason, Req
-from radixlm.srt.request_kv import RequestKV
-from radixlm.srt.sampler import apply_penalties, sample
+from radixlm.srt.scheduler.finish import check_finished
+from radixlm.srt.executor.logprobs import record_input_logprobs, record_output_logprob
+from radixlm.srt.executor.mem_pool import PageAllocator, ReqToTokenPool
+from radixlm.srt.executor.model_runner import ModelRunner, kv_slots_for
+from radixlm.srt.scheduler.request import FinishReason, Req
+from radixlm.srt.scheduler.request_kv import RequestKV
+from radixlm.srt.executor.sampler import apply_penalties, sample
 from radixlm.srt.server_args import ServerArgs
-from radixlm.srt.token_transfer import SampledStep, TokenTransfer
+from radixlm.srt.executor.token_transfer import SampledStep, TokenTransfer
 
 logger = logging.getLogger(__name__)
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 import torch
 
 from radixlm.radix import RadixCache
-from radixlm.srt.mem_pool import PageAllocator, ReqToTokenPool
-from radixlm.srt.request import Req
+from radixlm.srt.executor.mem_pool import PageAllocator, ReqToTokenPool
+from radixlm.srt.scheduler.request import Req
 
 
 class RequestKV:

@@ -20,10 +20,10 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 
-from radixlm.srt.openai_protocol import (ChatCompletionRequest, CompletionRequest, OpenAIError, TokenText,
+from radixlm.srt.server.openai_protocol import (ChatCompletionRequest, CompletionRequest, OpenAIError, TokenText,
                                          chat_logprobs, choice, completion_logprobs, finish_reason_of,
                                          logprob_entries)
-from radixlm.srt.tokenizer_manager import GenerateRequest, TokenizerManager, expand_n
+from radixlm.srt.server.tokenizer_manager import GenerateRequest, TokenizerManager, expand_n
 
 logger = logging.getLogger(__name__)
 

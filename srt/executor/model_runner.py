@@ -8,12 +8,12 @@ import time
 
 import torch
 
-from radixlm.srt.attention.base import AttentionBackend
+from radixlm.srt.executor.attention.base import AttentionBackend
 from radixlm.srt.configs import ModelConfig
-from radixlm.srt.forward_batch import ForwardBatch
-from radixlm.srt.mem_pool import KVPool
-from radixlm.srt.models.llama import LlamaForCausalLM
-from radixlm.srt.models.ops import select_ops
+from radixlm.srt.executor.forward_batch import ForwardBatch
+from radixlm.srt.executor.mem_pool import KVPool
+from radixlm.srt.executor.models.llama import LlamaForCausalLM
+from radixlm.srt.executor.models.ops import select_ops
 from radixlm.srt.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
@@ -48,11 +48,11 @@ class ModelRunner:
     def _make_backend(self, req_to_token: torch.Tensor) -> AttentionBackend:
         scale = 1.0 / math.sqrt(self.config.head_dim)
         if self.attention_backend_name == "torch_native":
-            from radixlm.srt.attention.torch_native import TorchNativeBackend
+            from radixlm.srt.executor.attention.torch_native import TorchNativeBackend
 
             return TorchNativeBackend(self.kv_pool, req_to_token, scale,
                                       cascade=not self.args.disable_cascade_attention)
-        from radixlm.srt.attention.flashinfer_backend import FlashInferBackend
+        from radixlm.srt.executor.attention.flashinfer_backend import FlashInferBackend
 
         cfg = self.config
         return FlashInferBackend(self.kv_pool, req_to_token, self.args.page_size, cfg.num_heads, cfg.num_kv_heads,
@@ -61,7 +61,7 @@ class ModelRunner:
     def _make_graph_runner(self, req_to_token: torch.Tensor):
         if self.args.disable_cuda_graph or self.attention_backend_name != "flashinfer":
             return None
-        from radixlm.srt.cuda_graph_runner import CudaGraphRunner
+        from radixlm.srt.executor.cuda_graph_runner import CudaGraphRunner
 
         max_bs = min(self.args.cuda_graph_max_bs, self.args.max_running_requests)
         max_pages_per_req = -(-req_to_token.shape[1] // self.args.page_size)
@@ -121,7 +121,7 @@ def kv_slots_for(config: ModelConfig, args: ServerArgs) -> int:
 
 
 def model_bytes(config: ModelConfig, dtype: torch.dtype) -> int:
-    from radixlm.srt.model_loader import weight_shapes
+    from radixlm.srt.executor.model_loader import weight_shapes
 
     numel = sum(math.prod(shape) for shape in weight_shapes(config).values())
     return numel * torch.finfo(dtype).bits // 8

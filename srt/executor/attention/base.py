@@ -6,7 +6,7 @@ import abc
 
 import torch
 
-from radixlm.srt.forward_batch import ForwardBatch
+from radixlm.srt.executor.forward_batch import ForwardBatch
 
 
 class AttentionBackend(abc.ABC):
