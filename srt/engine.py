@@ -15,7 +15,6 @@ from radixlm.srt.scheduler.finish import output_text
 from radixlm.srt.server.input_validation import prompt_token_ids
 from radixlm.srt.executor.logprobs import logprob_meta
 from radixlm.srt.scheduler.request import LogprobOptions, Req
-from radixlm.srt.executor.sampler import make_generator
 from radixlm.srt.sampling_params import SamplingParams
 from radixlm.srt.scheduler.scheduler import Scheduler
 from radixlm.srt.server_args import ServerArgs
@@ -61,8 +60,7 @@ class Engine:
             sp = SamplingParams.from_dict(params, vocab_size=self.model_config.vocab_size)
             for _ in range(sp.n):
                 reqs.append(Req(rid=one_rid if one_rid and sp.n == 1 else uuid.uuid4().hex, origin_input_ids=ids,
-                                sampling_params=sp, logprob=logprob,
-                                generator=make_generator(sp.seed, self.scheduler.device)))
+                                sampling_params=sp, logprob=logprob))
         start = time.perf_counter()
         for req in reqs:
             self.scheduler.add_request(req)

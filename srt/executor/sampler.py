@@ -15,7 +15,7 @@ from radixlm.srt.sampling_params import SamplingParams
 
 class SamplingRequest(Protocol):
     sampling_params: SamplingParams
-    generator: torch.Generator | None  # set when the request has a seed
+    generator: torch.Generator | None  # made from sampling_params.seed on first use
     origin_input_ids: list[int]
     output_ids: list[int]
 
@@ -56,8 +56,10 @@ def sample(logits: torch.Tensor, reqs: Sequence[SamplingRequest]) -> torch.Tenso
     for row, req in enumerate(reqs):
         if greedy[row]:
             next_ids[row] = logits[row].argmax()
-        elif req.generator is not None:
+        elif req.sampling_params.seed is not None:
             # A per-request generator keeps a seeded request reproducible whatever its batch.
+            if req.generator is None:
+                req.generator = make_generator(req.sampling_params.seed, logits.device)
             next_ids[row] = torch.multinomial(probs[row], 1, generator=req.generator)[0]
         else:
             free_rows.append(row)

@@ -15,8 +15,7 @@ import zmq
 from radixlm.srt import io_struct
 from radixlm.srt.io_struct import (AbortReq, BatchTokenOut, ControlReply, ControlReq, ReadySignal, ReqOutput,
                                    TokenizedGenerateReq)
-from radixlm.srt.scheduler.request import FinishReason, LogprobOptions, Req
-from radixlm.srt.executor.sampler import make_generator
+from radixlm.srt.scheduler.request import FinishReason, Req
 from radixlm.srt.sampling_params import SamplingParams
 from radixlm.srt.scheduler.scheduler import Scheduler
 from radixlm.srt.server_args import ServerArgs
@@ -90,19 +89,12 @@ class SchedulerLoop:
 
     def _add(self, msg: TokenizedGenerateReq) -> None:
         try:
-            # The main process parsed any grammar already; parsing it again here would stall the
-            # loop (and a bad spec still fails alone, in the compile worker).
-            sp = SamplingParams.from_dict(msg.sampling_params, vocab_size=self.scheduler.config.vocab_size,
-                                          check_grammar=False)
+            req = Req.from_tokenized(msg, self.scheduler.config.vocab_size)
         except ValueError as e:  # the main process validates; this guards a bad peer
             req = Req(rid=msg.rid, origin_input_ids=msg.input_ids, sampling_params=SamplingParams())
             req.finish_reason = FinishReason("abort", message=str(e))
             self._send_outputs([req])
             return
-        req = Req(rid=msg.rid, origin_input_ids=list(msg.input_ids), sampling_params=sp,
-                  logprob=LogprobOptions(msg.return_logprob, msg.logprob_start_len, msg.top_logprobs_num),
-                  namespace=msg.namespace, stream=msg.stream,
-                  generator=make_generator(sp.seed, self.scheduler.device))
         self.reqs[req.rid] = req
         self.sent[req.rid] = _Sent()
         self.scheduler.add_request(req)

@@ -5,8 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
+from radixlm.srt.io_struct import TokenizedGenerateReq
 from radixlm.srt.sampling_params import SamplingParams
 
 
@@ -38,7 +37,7 @@ class Req:
     logprob: LogprobOptions = field(default_factory=LogprobOptions)
     namespace: Any = None  # radix-cache namespace (cache salt, LoRA id)
     stream: bool = False  # send outputs every step, not only at the end
-    generator: torch.Generator | None = None
+    generator: Any = None  # the sampler's seeded torch.Generator, made on first use
     output_ids: list[int] = field(default_factory=list)
     finish_reason: FinishReason | None = None
     grammar: Any = None  # GrammarMatcher once the request's grammar compiled
@@ -61,6 +60,16 @@ class Req:
     input_top_logprobs: list[list[tuple[float, int]] | None] = field(default_factory=list)
     output_token_logprobs: list[tuple[float, int]] = field(default_factory=list)
     output_top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
+
+    @classmethod
+    def from_tokenized(cls, msg: TokenizedGenerateReq, vocab_size: int) -> Req:
+        """The scheduler's record of a request the intake validated. Raises ValueError for a
+        message whose sampling parameters do not validate (a bad peer)."""
+        # The intake parsed any grammar already; parsing it again here would stall the loop.
+        sp = SamplingParams.from_dict(msg.sampling_params, vocab_size=vocab_size, check_grammar=False)
+        return cls(rid=msg.rid, origin_input_ids=list(msg.input_ids), sampling_params=sp,
+                   logprob=LogprobOptions(msg.return_logprob, msg.logprob_start_len, msg.top_logprobs_num),
+                   namespace=msg.namespace, stream=msg.stream)
 
     @property
     def fill_ids(self) -> list[int]:
