@@ -171,18 +171,17 @@ CASCADE_MODES = {
     "eager": ({"flashinfer_backend.CASCADE_GRAPH_MIN_SAVED_BYTES": 0,
                "flashinfer_backend.CASCADE_EAGER_MIN_SAVED_BYTES": 0}, "_plan_cascade"),
     # Buckets of 8 and 16 get cascade graphs here (64 and up by default).
-    "cuda-graph": ({"cuda_graph_runner.CASCADE_GRAPH_MIN_BS": 8,
-                    "flashinfer_backend.CASCADE_IN_GRAPH_MIN_SAVED_BYTES": 0}, "plan_graph_cascade"),
+    "cuda-graph": ({"flashinfer_backend.CASCADE_GRAPH_MIN_BS": 8,
+                    "flashinfer_backend.CASCADE_IN_GRAPH_MIN_SAVED_BYTES": 0}, "_plan_graph_cascade"),
 }
 
 
 @pytest.mark.parametrize("mode", list(CASCADE_MODES))
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_engine_greedy_outputs_equal_with_and_without_cascade(tmp_path, monkeypatch, page_size, mode):
-    from radixlm.srt.executor import cuda_graph_runner
     from radixlm.srt.executor.attention import flashinfer_backend
 
-    modules = {"flashinfer_backend": flashinfer_backend, "cuda_graph_runner": cuda_graph_runner}
+    modules = {"flashinfer_backend": flashinfer_backend}
     patches, planner = CASCADE_MODES[mode]
     for target, value in patches.items():
         module, name = target.split(".")

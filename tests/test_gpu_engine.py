@@ -72,6 +72,7 @@ def test_defaults_on_cuda_are_flashinfer_bf16_with_graphs(config_path):
         runner = engine.scheduler.runner
         assert runner.attention_backend_name == "flashinfer" and runner.dtype == torch.bfloat16
         assert runner.graph_runner is not None and runner.graph_runner.buckets == [1, 2, 4]
+        assert all(list(variants) == ["decode"] for variants in runner.graph_runner.graphs.values())
         assert runner.ops.name == "triton"
         out = engine.generate("The capital of France is", {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True})
         assert out["meta_info"]["completion_tokens"] == 8

@@ -1,12 +1,15 @@
 """CUDA graphs for decode: one captured forward per batch-size bucket, replayed with padding.
 
 A decode step is hundreds of small kernels; launching them from Python costs more than they
-run at small batches. Each bucket's graph reads its inputs from fixed buffers and FlashInfer's
-page table from a wrapper made for that bucket; replay copies the batch in, plans the wrapper
-on the host (plan cannot be captured) and launches the whole step at once. A batch smaller
-than its bucket is padded with requests of one token on the padding page, whose outputs are
-dropped. Large buckets have a second graph with cascade attention, for batches whose requests
-share long cached prefixes (at those sizes an eager step's launches cost more than the step).
+run at small batches. Each bucket's graph reads its inputs from fixed buffers and the attention
+backend's plan from state it made for that bucket; replay copies the batch in, plans the
+attention on the host (plan cannot be captured) and launches the whole step at once. A batch
+smaller than its bucket is padded with requests of one token on the padding page, whose outputs
+are dropped. The backend may capture more than one graph per bucket (FlashInfer adds cascade
+attention at large buckets, for batches whose requests share long cached prefixes: at those
+sizes an eager step's launches cost more than the step) and picks one per batch.
+
+The runner talks to the backend only through AttentionBackend's CUDA-graph hooks (base.py).
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import time
 
 import torch
 
-from radixlm.srt.executor.attention.flashinfer_backend import CASCADE_GRAPH_MIN_BS, FlashInferBackend
+from radixlm.srt.executor.attention.base import DEFAULT_GRAPH_VARIANT, AttentionBackend, missing_cuda_graph_hooks
 from radixlm.srt.executor.forward_batch import ForwardBatch
 
 logger = logging.getLogger(__name__)
@@ -35,55 +38,53 @@ def batch_size_buckets(max_bs: int) -> list[int]:
 
 
 class CudaGraphRunner:
-    def __init__(self, model: torch.nn.Module, backend: FlashInferBackend, max_bs: int, max_pages_per_req: int):
+    def __init__(self, model: torch.nn.Module, backend: AttentionBackend, max_bs: int, max_pages_per_req: int,
+                 device: torch.device):
+        check_capturable(backend)
         self.model = model
         self.backend = backend
         self.buckets = batch_size_buckets(max_bs)
         self.max_bs = self.buckets[-1]
-        device = backend.device
         self.input_ids = torch.zeros(self.max_bs, dtype=torch.int64, device=device)
         self.positions = torch.zeros(self.max_bs, dtype=torch.int64, device=device)
         self.out_cache_loc = torch.full((self.max_bs,), PADDING_SLOT, dtype=torch.int64, device=device)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.wrappers = {}
-        self.logits: dict[int, torch.Tensor] = {}
-        self.page_indices = torch.zeros(self.max_bs * max_pages_per_req, dtype=torch.int32, device=device)
-        # Cascade graphs: (graph, logits, wrappers) per bucket of at least CASCADE_GRAPH_MIN_BS.
-        self.cascade_graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, object]] = {}
-        cascade_buckets = [b for b in self.buckets if b >= CASCADE_GRAPH_MIN_BS] if backend.cascade else []
-        self.prefix_page_indices = (torch.zeros_like(self.page_indices) if cascade_buckets else None)
+        # Per bucket, per variant (the default first): (graph, its logits, the backend's handle).
+        self.graphs: dict[int, dict[str, tuple[torch.cuda.CUDAGraph, torch.Tensor, object]]] = {}
+        backend.init_cuda_graph_state(self.max_bs, max_pages_per_req)
         started = time.perf_counter()
         pool = None
         # Largest first, so smaller graphs reuse the memory pool the largest one allocated.
         for bs in reversed(self.buckets):
-            pool = self._capture(bs, pool)
-            if bs in cascade_buckets:
-                pool = self._capture_cascade(bs, pool)
-        logger.info("captured %d decode CUDA graphs (batch sizes up to %d; %d with cascade attention) in %.1fs",
-                    len(self.buckets), self.max_bs, len(cascade_buckets), time.perf_counter() - started)
+            variants = backend.cuda_graph_variants(bs)
+            if not variants or variants[0] != DEFAULT_GRAPH_VARIANT:
+                raise ValueError(f"{type(backend).__name__}.cuda_graph_variants({bs}) must start with "
+                                 f"{DEFAULT_GRAPH_VARIANT!r}, got {variants!r}")
+            self.graphs[bs] = {}
+            for variant in variants:
+                pool = self._capture(bs, variant, pool)
+        extra: dict[str, int] = {}
+        for captured in self.graphs.values():
+            for variant in list(captured)[1:]:
+                extra[variant] = extra.get(variant, 0) + 1
+        logger.info("captured %d decode CUDA graphs (batch sizes up to %d%s) in %.1fs", len(self.buckets),
+                    self.max_bs, "".join(f"; {n} with {v} attention" for v, n in extra.items()),
+                    time.perf_counter() - started)
 
-    def can_run(self, batch: ForwardBatch) -> bool:
-        return batch.is_decode and batch.batch_size <= self.max_bs
-
-    def has_cascade_graph(self, batch: ForwardBatch) -> bool:
-        return self._bucket(batch.batch_size) in self.cascade_graphs
+    def should_replay(self, batch: ForwardBatch) -> bool:
+        """Whether `batch` runs from a graph rather than eagerly: a decode batch within the
+        largest bucket, unless its bucket has only the default graph and the backend would
+        rather plan it eagerly (a bucket with variants lets the backend choose among them)."""
+        if not (batch.is_decode and batch.batch_size <= self.max_bs):
+            return False
+        return len(self.graphs[self._bucket(batch.batch_size)]) > 1 or not self.backend.prefers_eager(batch)
 
     def _bucket(self, num_reqs: int) -> int:
         return self.buckets[bisect.bisect_left(self.buckets, num_reqs)]
 
-    def _capture(self, bs: int, pool):
-        wrapper = self.backend.make_graph_decode_wrapper(bs, self.page_indices)
-        self.wrappers[bs] = wrapper
-        self.backend.plan_graph_decode(wrapper, None, bs, self.out_cache_loc[:bs])
-        self.logits[bs], graph = self._record(bs, pool)
-        self.graphs[bs] = graph
-        return graph.pool()
-
-    def _capture_cascade(self, bs: int, pool):
-        wrappers = self.backend.make_graph_cascade(bs, self.page_indices, self.prefix_page_indices)
-        self.backend.plan_graph_cascade(wrappers, None, bs, self.out_cache_loc[:bs])
+    def _capture(self, bs: int, variant: str, pool):
+        handle = self.backend.capture_cuda_graph_plan(variant, bs, self.out_cache_loc[:bs])
         logits, graph = self._record(bs, pool)
-        self.cascade_graphs[bs] = (graph, logits, wrappers)
+        self.graphs[bs][variant] = (graph, logits, handle)
         return graph.pool()
 
     def _record(self, bs: int, pool) -> tuple[torch.Tensor, torch.cuda.CUDAGraph]:
@@ -111,12 +112,21 @@ class CudaGraphRunner:
             self.input_ids[num_reqs:bs].zero_()
             self.positions[num_reqs:bs].zero_()
             self.out_cache_loc[num_reqs:bs].fill_(PADDING_SLOT)
-        cascade = self.cascade_graphs.get(bs)
-        if cascade is not None and self.backend.wants_graph_cascade(batch, bs):
-            graph, logits, wrappers = cascade
-            self.backend.plan_graph_cascade(wrappers, batch, bs, self.out_cache_loc[:bs])
-            graph.replay()
-            return logits[:num_reqs]
-        self.backend.plan_graph_decode(self.wrappers[bs], batch, bs, self.out_cache_loc[:bs])
-        self.graphs[bs].replay()
-        return self.logits[bs][:num_reqs]
+        captured = self.graphs[bs]
+        variant = (self.backend.choose_cuda_graph_variant(batch, bs) if len(captured) > 1
+                   else DEFAULT_GRAPH_VARIANT)
+        graph, logits, handle = captured[variant]
+        self.backend.replay_cuda_graph_plan(variant, handle, batch, bs, self.out_cache_loc[:bs])
+        graph.replay()
+        return logits[:num_reqs]
+
+
+def check_capturable(backend: AttentionBackend) -> None:
+    """Refuses, by name, a backend that cannot be captured or lacks a capture/replay hook."""
+    name = type(backend).__name__
+    if not backend.supports_cuda_graph:
+        raise ValueError(f"{name} cannot be captured in CUDA graphs (supports_cuda_graph is False); "
+                         "run with --disable-cuda-graph")
+    missing = missing_cuda_graph_hooks(backend)
+    if missing:
+        raise TypeError(f"{name} says it supports CUDA graphs but does not implement {', '.join(missing)}")

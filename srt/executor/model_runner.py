@@ -59,23 +59,23 @@ class ModelRunner:
                                  cfg.head_dim, scale, self.dtype, cascade=not self.args.disable_cascade_attention)
 
     def _make_graph_runner(self, req_to_token: torch.Tensor):
-        if self.args.disable_cuda_graph or self.attention_backend_name != "flashinfer":
+        # The backend says whether it can be captured (torch_native cannot); no name checks here.
+        if self.args.disable_cuda_graph or not self.attn_backend.supports_cuda_graph:
             return None
         from radixlm.srt.executor.cuda_graph_runner import CudaGraphRunner
 
         max_bs = min(self.args.cuda_graph_max_bs, self.args.max_running_requests)
         max_pages_per_req = -(-req_to_token.shape[1] // self.args.page_size)
         with torch.inference_mode():
-            return CudaGraphRunner(self.model, self.attn_backend, max_bs, max_pages_per_req)
+            return CudaGraphRunner(self.model, self.attn_backend, max_bs, max_pages_per_req, self.device)
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Float32 logits for `batch.logit_rows`: [len(logit_rows), vocab]."""
         # A decode batch with enough shared-prefix KV runs cascade attention: in its bucket's
-        # cascade graph, or eagerly where the bucket has none.
+        # cascade graph, or eagerly where the bucket has none (should_replay asks the backend).
         graphs = self.graph_runner
-        if graphs is not None and graphs.can_run(batch) and (graphs.has_cascade_graph(batch)
-                                                           or not self.attn_backend.prefers_eager(batch)):
+        if graphs is not None and graphs.should_replay(batch):
             return graphs.replay(batch)
         self.attn_backend.plan(batch)
         return self.model(batch.input_ids, batch.positions, self.attn_backend, batch.logit_rows)

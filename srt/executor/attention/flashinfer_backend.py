@@ -13,9 +13,10 @@ reordered so each group's queries are contiguous; level 1 attends each group's q
 to its shared prefix pages (the prefill kernel, non-causal, one qo segment per group), level 2
 every request to its own remaining pages (the decode kernel; ungrouped requests: all of their
 pages), and the two partial results merge through their log-sum-exp (merge_state_in_place).
-The shared prefix is then read once per group per layer instead of once per request. Cascade
-steps run eagerly (the decode CUDA graphs hold the plain decode kernel), so a batch that a graph
-could run takes the cascade path only when it saves enough KV reads to pay for eager launches.
+The shared prefix is then read once per group per layer instead of once per request. Buckets
+of CASCADE_GRAPH_MIN_BS requests and up capture a cascade CUDA graph beside the plain one (the
+"cascade" graph variant); at smaller buckets a cascade step runs eagerly, so a batch that the
+plain graph could run takes it only when it saves enough KV reads to pay for eager launches.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from radixlm.srt.executor.attention.base import AttentionBackend
+from radixlm.srt.executor.attention.base import DEFAULT_GRAPH_VARIANT, AttentionBackend
 from radixlm.srt.executor.attention.cascade_groups import CASCADE_MIN_PREFIX, CascadeGroups, find_groups
 from radixlm.srt.executor.attention.paged_kv import PagedKV, build_paged_kv, qo_indptr_for
 from radixlm.srt.executor.forward_batch import ForwardBatch
@@ -50,6 +51,7 @@ CASCADE_EAGER_MIN_SAVED_BYTES = 32 << 20
 # Decode buckets this large get a second CUDA graph, with cascade attention (smaller batches
 # rarely share enough to matter, and each graph adds ~1.5 s of start-up capture).
 CASCADE_GRAPH_MIN_BS = 64
+CASCADE_GRAPH_VARIANT = "cascade"  # that graph's name in the AttentionBackend graph hooks
 # A cascade graph costs four small kernels per layer more than the plain one (~15 us).
 CASCADE_IN_GRAPH_MIN_SAVED_BYTES = 64 << 20
 
@@ -158,6 +160,9 @@ class FlashInferBackend(AttentionBackend):
         self._out_cache_loc: torch.Tensor | None = None
         self._plan_copied: torch.cuda.Event | None = None  # see _planning
         self._cascade_workspace: torch.Tensor | None = None  # level-1 scratch of the cascade graphs
+        # Page indices of every graph bucket (level 2, level 1): init_cuda_graph_state.
+        self._graph_page_indices: torch.Tensor | None = None
+        self._graph_prefix_page_indices: torch.Tensor | None = None
         self.cascade = cascade
         self._kv_bytes_per_token = 2 * num_kv_heads * head_dim * dtype.itemsize  # K and V, one layer
         self._cascade: _CascadeStep | None = None  # this batch's cascade plan, None for a plain step
@@ -177,11 +182,6 @@ class FlashInferBackend(AttentionBackend):
         graph)."""
         groups = self._decode_groups(batch)
         return groups is not None and self._saved_bytes(groups) >= CASCADE_GRAPH_MIN_SAVED_BYTES
-
-    def wants_graph_cascade(self, batch: ForwardBatch, padded_size: int) -> bool:
-        groups = self._decode_groups(batch)
-        return (groups is not None and self._saved_bytes(groups) >= CASCADE_IN_GRAPH_MIN_SAVED_BYTES
-                and len(groups.groups) < graph_prefix_segments(padded_size))
 
     def _planning(self) -> None:
         """Waits until the device has taken the previous plan. A wrapper's plan writes a pinned
@@ -254,9 +254,49 @@ class FlashInferBackend(AttentionBackend):
                      self.page_size, sm_scale=self.scale, q_data_type=self.dtype, kv_data_type=self.dtype)
         self._wrapper = wrapper
 
-    # ---- CUDA graphs ---------------------------------------------------------------------------
+    # ---- CUDA graphs (the AttentionBackend hooks; see base.py for the order and invariants) ----
 
-    def make_graph_decode_wrapper(self, batch_size: int, indices_buffer: torch.Tensor):
+    @property
+    def supports_cuda_graph(self) -> bool:
+        return True
+
+    def init_cuda_graph_state(self, max_bs: int, max_pages_per_req: int) -> None:
+        # One page-index buffer per level for all buckets: only one graph runs at a time.
+        self._graph_page_indices = torch.zeros(max_bs * max_pages_per_req, dtype=torch.int32, device=self.device)
+        self._graph_prefix_page_indices = (torch.zeros_like(self._graph_page_indices)
+                                           if self.cascade and max_bs >= CASCADE_GRAPH_MIN_BS else None)
+
+    def cuda_graph_variants(self, bs: int) -> tuple[str, ...]:
+        """Plain decode; buckets of CASCADE_GRAPH_MIN_BS and up add a cascade graph."""
+        if self.cascade and bs >= CASCADE_GRAPH_MIN_BS:
+            return (DEFAULT_GRAPH_VARIANT, CASCADE_GRAPH_VARIANT)
+        return (DEFAULT_GRAPH_VARIANT,)
+
+    def capture_cuda_graph_plan(self, variant: str, bs: int, out_cache_loc: torch.Tensor) -> object:
+        if variant == CASCADE_GRAPH_VARIANT:
+            handle = self._make_graph_cascade(bs, self._graph_page_indices, self._graph_prefix_page_indices)
+            self._plan_graph_cascade(handle, None, bs, out_cache_loc)
+            return handle
+        wrapper = self._make_graph_decode_wrapper(bs, self._graph_page_indices)
+        self._plan_graph_decode(wrapper, None, bs, out_cache_loc)
+        return wrapper
+
+    def choose_cuda_graph_variant(self, batch: ForwardBatch, bs: int) -> str:
+        return CASCADE_GRAPH_VARIANT if self._wants_graph_cascade(batch, bs) else DEFAULT_GRAPH_VARIANT
+
+    def replay_cuda_graph_plan(self, variant: str, handle: object, batch: ForwardBatch, bs: int,
+                               out_cache_loc: torch.Tensor) -> None:
+        if variant == CASCADE_GRAPH_VARIANT:
+            self._plan_graph_cascade(handle, batch, bs, out_cache_loc)
+        else:
+            self._plan_graph_decode(handle, batch, bs, out_cache_loc)
+
+    def _wants_graph_cascade(self, batch: ForwardBatch, padded_size: int) -> bool:
+        groups = self._decode_groups(batch)
+        return (groups is not None and self._saved_bytes(groups) >= CASCADE_IN_GRAPH_MIN_SAVED_BYTES
+                and len(groups.groups) < graph_prefix_segments(padded_size))
+
+    def _make_graph_decode_wrapper(self, batch_size: int, indices_buffer: torch.Tensor):
         """A decode wrapper whose page-table buffers have fixed addresses, for one captured batch
         size. All buckets can share `indices_buffer`: only one graph runs at a time."""
         return self._flashinfer.BatchDecodeWithPagedKVCacheWrapper(
@@ -266,7 +306,7 @@ class FlashInferBackend(AttentionBackend):
             paged_kv_last_page_len_buffer=torch.zeros(batch_size, dtype=torch.int32, device=self.device),
             backend=_BACKEND)
 
-    def make_graph_cascade(self, batch_size: int, own_indices: torch.Tensor,
+    def _make_graph_cascade(self, batch_size: int, own_indices: torch.Tensor,
                            prefix_indices: torch.Tensor) -> GraphCascade:
         """Level-2 (decode) and level-1 (prefill, non-causal) wrappers with fixed buffers for a
         cascade decode graph of `batch_size` rows."""
@@ -282,7 +322,7 @@ class FlashInferBackend(AttentionBackend):
             paged_kv_indptr_buf=zeros(segments + 1), paged_kv_indices_buf=prefix_indices,
             paged_kv_last_page_len_buf=zeros(segments), backend=_BACKEND)
         rows = torch.arange(batch_size, device=self.device)
-        return GraphCascade(self.make_graph_decode_wrapper(batch_size, own_indices), prefix, rows, rows.clone(),
+        return GraphCascade(self._make_graph_decode_wrapper(batch_size, own_indices), prefix, rows, rows.clone(),
                             zeros(batch_size, torch.bool))
 
     def _graph_prefix_scratch_bytes(self, batch_size: int, segments: int) -> int:
@@ -293,7 +333,7 @@ class FlashInferBackend(AttentionBackend):
         ctas = segments + -(-batch_size * group // 128) + 64
         return ctas * 128 * self.num_heads * (self.head_dim + 1) * 4 + (32 << 20)
 
-    def plan_graph_cascade(self, graph: GraphCascade, batch: ForwardBatch | None, padded_size: int,
+    def _plan_graph_cascade(self, graph: GraphCascade, batch: ForwardBatch | None, padded_size: int,
                            out_cache_loc: torch.Tensor) -> None:
         """Plans a cascade graph bucket for `batch` (all padding when None)."""
         self._planning()
@@ -321,7 +361,7 @@ class FlashInferBackend(AttentionBackend):
         self._out_cache_loc = out_cache_loc
         self._planned()
 
-    def plan_graph_decode(self, wrapper, batch: ForwardBatch | None, padded_size: int,
+    def _plan_graph_decode(self, wrapper, batch: ForwardBatch | None, padded_size: int,
                           out_cache_loc: torch.Tensor) -> None:
         """Plans `wrapper` for `batch` padded to `padded_size` (all padding when batch is None);
         the layers then store K/V at the fixed `out_cache_loc` buffer."""
