@@ -241,7 +241,7 @@ class StepTimer:
 
 
 def bench_offline(engine, rep: Reporter, prompts, out_lens, hf_tok_s: float | None) -> None:
-    timer = StepTimer(engine.scheduler.runner)
+    timer = StepTimer(engine.scheduler.engine.runner)
 
     def run(n):
         params = [{"temperature": 0, "max_new_tokens": m, "ignore_eos": True} for m in out_lens[:n]]
@@ -281,7 +281,7 @@ def bench_offline(engine, rep: Reporter, prompts, out_lens, hf_tok_s: float | No
             line.update(vllm_output_tok_s=VLLM["offline_output_tok_s"],
                         ratio_vs_vllm=round(out_tokens / seconds / VLLM["offline_output_tok_s"], 3), goal=">= 1.1")
         rep.emit(line)
-    del engine.scheduler.runner.forward  # back to the class method (no runner -> runner cycle)
+    del engine.scheduler.engine.runner.forward  # back to the class method (no runner -> runner cycle)
 
 
 def shared_prefix_workload(num_groups: int, per_group: int = 16, prefix_len: int = 2048, unique_len: int = 256,
@@ -309,12 +309,12 @@ def bench_shared_prefix(make_engine, rep: Reporter, num_groups: int, baseline_gr
         engine.generate(input_ids=shared_prefix_workload(1, 4, seed=99), sampling_params=params)  # warm-up
         engine.flush_cache()
         prompts = shared_prefix_workload(groups)
-        timer = StepTimer(engine.scheduler.runner)
+        timer = StepTimer(engine.scheduler.engine.runner)
         start = time.perf_counter()
         outs = engine.generate(input_ids=prompts, sampling_params=params)
         seconds = time.perf_counter() - start
         device_s, steps = timer.split()
-        del engine.scheduler.runner.forward
+        del engine.scheduler.engine.runner.forward
         cached = sum(o["meta_info"]["cached_tokens"] for o in outs)
         results[name] = len(prompts) * out_len / seconds
         line = {"bench": "gpu_shared_prefix", "system": f"radixlm_engine {name}", "groups": groups,

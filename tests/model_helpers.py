@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from radixlm.srt.executor.batch_builder import ExtendPlan, build_extend_batch
+from radixlm.srt.executor.batch_builder import build_extend_batch
+from radixlm.srt.scheduler.step_plan import ExtendPlan
 from radixlm.srt.scheduler.request import Req
 from radixlm.srt.sampling_params import SamplingParams
 
@@ -18,7 +19,7 @@ def extend_logits(engine, chunks: list[list[list[int]]]) -> list[torch.Tensor]:
     for i, req_chunks in enumerate(chunks):
         req = Req(rid=f"probe-{i}", origin_input_ids=[t for c in req_chunks for t in c],
                   sampling_params=SamplingParams())
-        req.req_pool_idx = sched.req_pool.alloc()
+        req.req_pool_idx = sched.req_table.alloc()
         reqs.append(req)
         rows.append([])
     owned: list[int] = []
@@ -29,12 +30,12 @@ def extend_logits(engine, chunks: list[list[list[int]]]) -> list[torch.Tensor]:
                 if step >= len(req_chunks):
                     continue
                 n = len(req_chunks[step])
-                last = int(sched.req_pool.table[req.req_pool_idx, req.kv_len - 1]) if req.kv_len else None
+                last = int(sched.req_table.table[req.req_pool_idx, req.kv_len - 1]) if req.kv_len else None
                 slots = sched.allocator.alloc(req.kv_len, n, last)
                 owned.extend(slots)
-                sched.req_pool.table[req.req_pool_idx, req.kv_len:req.kv_len + n] = torch.tensor(slots)
+                sched.req_table.table[req.req_pool_idx, req.kv_len:req.kv_len + n] = slots
                 plans.append(ExtendPlan(req, req.kv_len, n, slots, req.kv_len, n))
-            logits = sched.runner.forward(build_extend_batch(plans, sched.device))
+            logits = sched.engine.runner.forward(build_extend_batch(plans, sched.engine.device))
             offset = 0
             for plan in plans:
                 rows[reqs.index(plan.req)].append(logits[offset:offset + plan.extend_len])
@@ -43,5 +44,5 @@ def extend_logits(engine, chunks: list[list[list[int]]]) -> list[torch.Tensor]:
     finally:
         sched.allocator.free(owned)
         for req in reqs:
-            sched.req_pool.free(req.req_pool_idx)
+            sched.req_table.free(req.req_pool_idx)
     return [torch.cat(r) for r in rows]

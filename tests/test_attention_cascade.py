@@ -166,7 +166,7 @@ def test_cascade_page_tables_cover_each_request(page_size):
     """Level 1's shared pages followed by level 2's own pages are exactly each request's KV."""
     from radixlm.srt.executor.attention.cascade_groups import find_groups
     from radixlm.srt.executor.attention.flashinfer_backend import cascade_page_tables
-    from radixlm.srt.executor.mem_pool import PageAllocator
+    from radixlm.srt.scheduler.kv_memory import PageAllocator
 
     alloc = PageAllocator(capacity_tokens=8192, page_size=page_size)
     table = torch.zeros(12, 1024, dtype=torch.int64)
@@ -216,7 +216,7 @@ def test_graph_cascade_tables_have_fixed_sizes_and_cover_each_request(page_size)
     page, and level 1 + level 2 still exactly each grouped request's KV."""
     from radixlm.srt.executor.attention.cascade_groups import find_groups
     from radixlm.srt.executor.attention.flashinfer_backend import graph_cascade_tables, graph_prefix_segments
-    from radixlm.srt.executor.mem_pool import PageAllocator
+    from radixlm.srt.scheduler.kv_memory import PageAllocator
 
     alloc = PageAllocator(capacity_tokens=8192, page_size=page_size)
     table = torch.zeros(8, 1024, dtype=torch.int64)

@@ -126,7 +126,7 @@ def test_jump_forward_saves_steps_and_stays_valid(engine, monkeypatch):
                                                "last_name": {"type": "string", "maxLength": 12},
                                                "is_student": {"type": "boolean"}},
               "required": ["first_name", "last_name", "is_student"]}
-    runner = engine.scheduler.runner
+    runner = engine.scheduler.engine.runner
     forwards = []
     real_forward = runner.forward
     monkeypatch.setattr(runner, "forward", lambda batch: forwards.append(1) or real_forward(batch))
@@ -166,7 +166,7 @@ def test_retraction_keeps_the_grammar_state(engine):
     sched.add_request(req)
     while len(req.output_ids) < 10:
         sched.step()
-    sched._retract(req)
+    sched.planner.retract(req)
     assert req.kv_len == 0 and req in sched.waiting
     while not req.finished:
         sched.step()

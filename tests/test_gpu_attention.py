@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from radixlm.srt.executor.forward_batch import ForwardBatch, ForwardMode
-from radixlm.srt.executor.mem_pool import KVPool, PageAllocator
+from radixlm.srt.executor.mem_pool import KVPool
+from radixlm.srt.scheduler.kv_memory import PageAllocator
 from radixlm.srt.executor.models.ops import TorchOps
 
 pytestmark = pytest.mark.gpu
@@ -23,7 +24,7 @@ def _setup(page_size: int):
 
     alloc = PageAllocator(capacity_tokens=8192, page_size=page_size)
     pool = KVPool(alloc.num_pages * page_size, 1, NUM_KV_HEADS, HEAD_DIM, DTYPE, "cuda")
-    table = torch.zeros(16, 2048, dtype=torch.int64)  # host-side, as ReqToTokenPool keeps it
+    table = torch.zeros(16, 2048, dtype=torch.int64)  # host-side, as ReqToTokenTable keeps it
     scale = 1.0 / math.sqrt(HEAD_DIM)
     flash = FlashInferBackend(pool, table, page_size, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, scale, DTYPE)
     native = TorchNativeBackend(pool, table, scale)

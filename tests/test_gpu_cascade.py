@@ -11,7 +11,8 @@ import torch
 
 from gpu_helpers import assert_same_greedy, llama3_tokenizer_path, small_llama_config
 from radixlm.srt.executor.forward_batch import ForwardBatch, ForwardMode
-from radixlm.srt.executor.mem_pool import KVPool, PageAllocator
+from radixlm.srt.executor.mem_pool import KVPool
+from radixlm.srt.scheduler.kv_memory import PageAllocator
 
 pytestmark = pytest.mark.gpu
 
@@ -144,7 +145,7 @@ def _generate(config_path: str, count_cascade: list[int], counted: str = "_plan_
 
     engine = Engine(config_path, load_format="dummy", tokenizer_path=llama3_tokenizer_path(), max_total_tokens=32768,
                     max_running_requests=16, attention_backend="flashinfer", **kwargs)
-    backend = engine.scheduler.runner.attn_backend
+    backend = engine.scheduler.engine.runner.attn_backend
     real_plan = getattr(backend, counted)
 
     def counting_plan(*a):

@@ -34,7 +34,7 @@ def test_constrained_outputs_on_gpu(tmp_path):
     engine = Engine(small_llama_config(tmp_path), load_format="dummy", tokenizer_path=llama3_tokenizer_path(),
                     max_total_tokens=16384, max_running_requests=16)
     try:
-        assert engine.scheduler.device.type == "cuda"
+        assert engine.scheduler.engine.device.type == "cuda"
         prompts = [[1000 + i, 2000 + i, 3000 + i] for i in range(12)]
         params = [{"json_schema": SCHEMA, "temperature": 1.0, "max_new_tokens": 64} if i % 3 else
                   {"regex": PATTERN, "temperature": 1.0, "max_new_tokens": 32} for i in range(12)]

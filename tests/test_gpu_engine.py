@@ -69,7 +69,7 @@ def test_defaults_on_cuda_are_flashinfer_bf16_with_graphs(config_path):
     engine = Engine(config_path, load_format="dummy", tokenizer_path=llama3_tokenizer_path(), max_total_tokens=8192,
                     max_running_requests=4)
     try:
-        runner = engine.scheduler.runner
+        runner = engine.scheduler.engine.runner
         assert runner.attention_backend_name == "flashinfer" and runner.dtype == torch.bfloat16
         assert runner.graph_runner is not None and runner.graph_runner.buckets == [1, 2, 4]
         assert all(list(variants) == ["decode"] for variants in runner.graph_runner.graphs.values())

@@ -124,11 +124,13 @@ def test_decode_batch_takes_device_tokens_only_for_pending_ones():
     import torch
 
     from radixlm.srt.executor.batch_builder import build_decode_batch
+    from radixlm.srt.scheduler.step_plan import ExtendPlan
 
     in_flight = Req(rid="a", origin_input_ids=[1, 2, 3], sampling_params=SamplingParams())
     in_flight.req_pool_idx, in_flight.kv_len, in_flight.pending_tokens = 0, 3, 1
     read_back = Req(rid="b", origin_input_ids=[4, 5], sampling_params=SamplingParams(), output_ids=[77])
     read_back.req_pool_idx, read_back.kv_len = 1, 2
     last_tokens = torch.tensor([41, 66])  # row 1's sampled 66 became 77 on the host
-    batch = build_decode_batch([in_flight, read_back], [10, 11], torch.device("cpu"), last_tokens)
+    parts = [ExtendPlan(in_flight, 3, 1, [10], 3, 1), ExtendPlan(read_back, 2, 1, [11], 2, 1)]
+    batch = build_decode_batch(parts, torch.device("cpu"), last_tokens)
     assert batch.input_ids.tolist() == [41, 77] and batch.positions.tolist() == [3, 2]

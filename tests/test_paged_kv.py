@@ -7,7 +7,7 @@ import torch
 
 from radixlm.srt.executor.attention.flashinfer_backend import _as_pages
 from radixlm.srt.executor.attention.paged_kv import build_paged_kv, qo_indptr_for
-from radixlm.srt.executor.mem_pool import PageAllocator
+from radixlm.srt.scheduler.kv_memory import PageAllocator
 
 
 def _tokens_from_pages(kv, pages: torch.Tensor, page_size: int, req: int) -> torch.Tensor:

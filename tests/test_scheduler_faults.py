@@ -11,7 +11,7 @@ from radixlm.srt.sampling_params import SamplingParams
 @pytest.mark.parametrize("fail_on_call", [1, 3])  # 1: the extend forward; 3: a decode forward
 def test_failed_forward_aborts_in_flight_requests_without_leaks(engine, monkeypatch, fail_on_call):
     sched = engine.scheduler
-    real_forward = sched.runner.forward
+    real_forward = sched.engine.runner.forward
     calls = {"n": 0}
 
     def flaky_forward(batch):
@@ -20,7 +20,7 @@ def test_failed_forward_aborts_in_flight_requests_without_leaks(engine, monkeypa
             raise RuntimeError("injected fault")
         return real_forward(batch)
 
-    monkeypatch.setattr(sched.runner, "forward", flaky_forward)
+    monkeypatch.setattr(sched.engine.runner, "forward", flaky_forward)
     ids = engine.tokenizer.encode("A request that will meet a fault", add_special_tokens=False)
     reqs = [Req(rid=f"fault-{i}", origin_input_ids=ids + [i + 10], sampling_params=SamplingParams(
         max_new_tokens=8, temperature=0.0)) for i in range(3)]

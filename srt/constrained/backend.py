@@ -4,11 +4,12 @@ request that masks each step's logits and follows the tokens the request emits."
 from __future__ import annotations
 
 import abc
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from radixlm.srt.constrained.spec import GrammarSpec
+
+if TYPE_CHECKING:  # the scheduler's side of grammars runs without torch
+    import torch
 
 
 class GrammarMatcher(abc.ABC):

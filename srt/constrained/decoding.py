@@ -1,12 +1,11 @@
 """The scheduler's side of structured generation: constrained requests wait here while their
-grammar compiles, each step's logits are masked to what the grammars allow, and every sampled
-token advances its request's matcher (appending grammar-forced text: jump-forward)."""
+grammar compiles, and every sampled token advances its request's matcher (appending
+grammar-forced text: jump-forward). The device engine masks each step's logits with the same
+matchers (srt/executor/grammar_mask.py). No torch."""
 
 from __future__ import annotations
 
 from typing import Any, Sequence
-
-import torch
 
 from radixlm.srt.constrained.grammar_cache import GrammarCache
 from radixlm.srt.scheduler.request import FinishReason, Req
@@ -62,17 +61,6 @@ class ConstrainedDecoding:
             self.compiling[0].pending_grammar.wait(seconds)
 
     # ---- each step -------------------------------------------------------------------------------
-
-    def mask(self, logits: torch.Tensor, reqs: list[Req]) -> None:
-        """Sets the logits of tokens a request's grammar forbids to -inf, in place."""
-        rows = [i for i, r in enumerate(reqs) if r.grammar is not None]
-        if not rows:
-            return
-        backend = self.cache.backend
-        bitmask = backend.allocate_bitmask(len(reqs))
-        for row in rows:
-            reqs[row].grammar.fill_bitmask(bitmask, row)
-        backend.apply_bitmask(logits, bitmask, rows)
 
     def advance(self, req: Req, token: int, room: int) -> FinishReason | None:
         """Feeds the sampled token to the request's matcher; ends the request when the grammar

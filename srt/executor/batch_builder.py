@@ -1,25 +1,11 @@
-"""Turns a list of requests into the ForwardBatch tensors the model runner consumes."""
+"""Turns a step plan's parts into the ForwardBatch tensors the model runner consumes."""
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 
 from radixlm.srt.executor.forward_batch import ForwardBatch, ForwardMode
-from radixlm.srt.scheduler.request import Req
-
-
-@dataclass
-class ExtendPlan:
-    """One request's part of an extend batch: tokens [start, start + extend_len) of fill_ids."""
-
-    req: Req
-    start: int
-    extend_len: int
-    slots: list[int]  # fresh KV slots for the new tokens
-    first_logit_pos: int  # absolute position of the first row whose logits are kept
-    logit_count: int  # rows of logits kept for this request (input logprobs and/or next token)
+from radixlm.srt.scheduler.step_plan import ExtendPlan
 
 
 def build_extend_batch(plans: list[ExtendPlan], device: torch.device) -> ForwardBatch:
@@ -41,16 +27,18 @@ def build_extend_batch(plans: list[ExtendPlan], device: torch.device) -> Forward
     return batch
 
 
-def build_decode_batch(reqs: list[Req], slots: list[int], device: torch.device,
+def build_decode_batch(parts: list[ExtendPlan], device: torch.device,
                        last_tokens: torch.Tensor | None = None) -> ForwardBatch:
-    """Each request feeds its newest token, whose KV goes to `slots[i]`: its last output token,
-    or, for a request whose newest token has not reached the host yet (overlap scheduling), the
-    one in `last_tokens` (the newest sampled token per table row, on the device). A token read
-    back may have been replaced since (jump-forward retokenizes it): the host has the truth."""
+    """Each request feeds its newest token at position `part.start`, whose KV goes to
+    `part.slots[0]`: its last output token, or, for a request whose newest token has not
+    reached the host yet (overlap scheduling), the one in `last_tokens` (the newest sampled
+    token per table row, on the device). A token read back may have been replaced since
+    (jump-forward retokenizes it): the host has the truth."""
+    reqs = [p.req for p in parts]
     host_ids = [r.output_ids[-1] if not r.pending_tokens else 0 for r in reqs]
     pending = [1 if r.pending_tokens else 0 for r in reqs]
-    positions = [r.kv_len for r in reqs]
-    batch, (on_device,) = _forward_batch(device, ForwardMode.DECODE, host_ids, positions, slots,
+    positions = [p.start for p in parts]
+    batch, (on_device,) = _forward_batch(device, ForwardMode.DECODE, host_ids, positions, [p.slots[0] for p in parts],
                                          [r.req_pool_idx for r in reqs], positions, [1] * len(reqs),
                                          range(len(reqs)), pending)
     if last_tokens is not None:

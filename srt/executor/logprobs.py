@@ -1,10 +1,11 @@
-"""Recording token logprobs (the model's raw distribution) on a request."""
+"""Token logprobs (the model's raw distribution) as plain values, and their meta_info shape."""
 
 from __future__ import annotations
 
 import torch
 
 from radixlm.srt.scheduler.request import Req
+from radixlm.srt.scheduler.step_plan import TokenLogprob
 
 
 def _top(logprobs: torch.Tensor, k: int) -> list[tuple[float, int]]:
@@ -12,36 +13,41 @@ def _top(logprobs: torch.Tensor, k: int) -> list[tuple[float, int]]:
     return list(zip(values.tolist(), ids.tolist()))
 
 
-def record_output_logprob(req: Req, logprobs: torch.Tensor, token: int) -> None:
-    """`logprobs`: log-softmax over the vocabulary at the step that produced `token`."""
-    req.output_token_logprobs.append((float(logprobs[token]), token))
-    if req.logprob.top_logprobs_num > 0:
-        req.output_top_logprobs.append(_top(logprobs, req.logprob.top_logprobs_num))
+def output_logprobs(logprobs: torch.Tensor, tokens: list[int], top_ks: list[int | None]) -> list[TokenLogprob | None]:
+    """Row i of `logprobs` (log-softmax over the vocabulary) drew `tokens[i]`: its logprob and
+    its `top_ks[i]` best alternatives, or None where `top_ks[i]` is None (not asked for)."""
+    chosen = logprobs.gather(1, torch.tensor(tokens, device=logprobs.device)[:, None])[:, 0].tolist()
+    return [None if k is None else ((chosen[i], tokens[i]), _top(logprobs[i], k) if k > 0 else [])
+            for i, k in enumerate(top_ks)]
 
 
-def record_input_logprobs(req: Req, logits: torch.Tensor, first_pos: int) -> None:
+def input_logprobs(req: Req, logits: torch.Tensor, first_pos: int) -> tuple[list[tuple[float | None, int]], list]:
     """`logits` rows are positions first_pos, first_pos+1, ...; row p scores prompt token p+1.
 
-    Prompt tokens from logprob_start_len on are recorded; token 0 has no logprob (None).
+    Prompt tokens from logprob_start_len on are scored; token 0 has no logprob (None). Returns
+    (logprob, token) pairs and, when top_logprobs_num > 0, the top alternatives of each.
     """
     prompt = req.origin_input_ids
     start = req.logprob.logprob_start_len
     top_k = req.logprob.top_logprobs_num
+    token_lps: list[tuple[float | None, int]] = []
+    top_lps: list = []
     if start == 0 and first_pos == 0 and not req.input_token_logprobs:
-        req.input_token_logprobs.append((None, prompt[0]))
-        req.input_top_logprobs.append(None)
+        token_lps.append((None, prompt[0]))
+        top_lps.append(None)
     rows = min(logits.shape[0], len(prompt) - 1 - first_pos)
     if rows <= 0:
-        return
+        return token_lps, top_lps
     logprobs = torch.log_softmax(logits[:rows], dim=-1)
     targets = torch.tensor(prompt[first_pos + 1:first_pos + 1 + rows], device=logits.device)
     chosen = logprobs.gather(1, targets[:, None])[:, 0].tolist()
     for i, (lp, tok) in enumerate(zip(chosen, targets.tolist())):
         if first_pos + 1 + i < start:
             continue
-        req.input_token_logprobs.append((lp, tok))
+        token_lps.append((lp, tok))
         if top_k > 0:
-            req.input_top_logprobs.append(_top(logprobs[i], top_k))
+            top_lps.append(_top(logprobs[i], top_k))
+    return token_lps, top_lps
 
 
 def logprob_meta(tokenizer, with_text: bool, top_k: int, input_token: list, input_top: list,

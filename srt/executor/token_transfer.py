@@ -1,6 +1,6 @@
 """Sampled token ids on their way to the host.
 
-With overlap scheduling the scheduler launches step N+1 before it reads step N's tokens, so
+With overlap scheduling the scheduler launches step N+1 before it commits step N's tokens, so
 the device-to-host copy of each step's ids is queued right behind its sampling, into pinned
 memory, and waited for only when the tokens are needed. A plain `.tolist()` at that point
 would queue the copy behind step N+1 and wait for that whole step.
@@ -8,24 +8,9 @@ would queue the copy behind step N+1 and wait for that whole step.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Callable
 
 import torch
-
-from radixlm.srt.scheduler.request import Req
-
-
-@dataclass
-class SampledStep:
-    """One step's sampling: `reqs[i]` drew token i (still on its way to the host)."""
-
-    reqs: list[Req]
-    tokens: Callable[[], list[int]]  # blocks until the ids are on the host
-    logprobs: torch.Tensor | None = None  # log-softmax of the raw logits, for requests that asked
-    # Whether a request in it needs its token on the host before its next step: the next step
-    # must not be launched first (grammar masks, penalties, logprobs).
-    needs_host_tokens: bool = False
 
 
 class TokenTransfer:

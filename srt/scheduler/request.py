@@ -65,11 +65,18 @@ class Req:
     def from_tokenized(cls, msg: TokenizedGenerateReq, vocab_size: int) -> Req:
         """The scheduler's record of a request the intake validated. Raises ValueError for a
         message whose sampling parameters do not validate (a bad peer)."""
-        # The intake parsed any grammar already; parsing it again here would stall the loop.
-        sp = SamplingParams.from_dict(msg.sampling_params, vocab_size=vocab_size, check_grammar=False)
+        sp = msg.sampling_params
+        if not isinstance(sp, SamplingParams):
+            raise ValueError(f"sampling_params: expected SamplingParams, got {type(sp).__name__}")
+        try:
+            # Cheap range checks only: the intake parsed any grammar already, and parsing it
+            # again here would stall the loop.
+            sp.validate(vocab_size=vocab_size, check_grammar=False)
+        except TypeError as e:  # a field of the wrong type from a bad peer
+            raise ValueError(f"sampling_params: {e}") from None
         return cls(rid=msg.rid, origin_input_ids=list(msg.input_ids), sampling_params=sp,
                    logprob=LogprobOptions(msg.return_logprob, msg.logprob_start_len, msg.top_logprobs_num),
-                   namespace=msg.namespace, stream=msg.stream)
+                   namespace=msg.cache_salt, stream=msg.stream)
 
     @property
     def fill_ids(self) -> list[int]:
@@ -91,7 +98,3 @@ class Req:
     @property
     def wants_input_logprobs(self) -> bool:
         return self.logprob.return_logprob and 0 <= self.logprob.logprob_start_len < len(self.origin_input_ids)
-
-    @property
-    def prefill_done(self) -> bool:
-        return self.kv_len >= len(self.origin_input_ids)

@@ -6,23 +6,23 @@ invariant free + evictable + protected + held by requests == capacity (Scheduler
 
 from __future__ import annotations
 
-import torch
+import numpy as np
 
 from radixlm.radix import RadixCache
-from radixlm.srt.executor.mem_pool import PageAllocator, ReqToTokenPool
+from radixlm.srt.scheduler.kv_memory import PageAllocator, ReqToTokenTable
 from radixlm.srt.scheduler.request import Req
 
 
 class RequestKV:
-    def __init__(self, allocator: PageAllocator, req_pool: ReqToTokenPool, tree: RadixCache, page_size: int):
+    def __init__(self, allocator: PageAllocator, req_table: ReqToTokenTable, tree: RadixCache, page_size: int):
         self.allocator = allocator
-        self.req_pool = req_pool
+        self.req_table = req_table
         self.tree = tree
         self.page_size = page_size
 
     def admit(self, req: Req) -> bool:
         """Takes a table row and locks the longest cached prefix."""
-        row = self.req_pool.alloc()
+        row = self.req_table.alloc()
         if row is None:
             return False
         req.req_pool_idx = row
@@ -36,7 +36,7 @@ class RequestKV:
         if not req.output_ids:
             req.cached_tokens = match.matched_len
         if match.matched_len:
-            self.req_pool.table[row, :match.matched_len] = torch.tensor(match.slot_indices, dtype=torch.int64)
+            self.req_table.table[row, :match.matched_len] = match.slot_indices
         return True
 
     def alloc(self, req: Req, new_len: int, reserve: int = 0) -> list[int] | None:
@@ -47,24 +47,24 @@ class RequestKV:
             self.tree.evict(needed - self.allocator.available_size)
             if needed > self.allocator.available_size:
                 return None
-        last = int(self.req_pool.table[req.req_pool_idx, req.kv_len - 1]) if req.kv_len else None
+        last = int(self.req_table.table[req.req_pool_idx, req.kv_len - 1]) if req.kv_len else None
         slots = self.allocator.alloc(req.kv_len, new_len, last)
         if slots is not None:
-            self.req_pool.table[req.req_pool_idx, req.kv_len:req.kv_len + new_len] = torch.tensor(slots)
+            self.req_table.table[req.req_pool_idx, req.kv_len:req.kv_len + new_len] = slots
             req.alloc_len = req.kv_len + new_len
         return slots
 
     def alloc_one_each(self, reqs: list[Req]) -> list[int]:
         """A slot for each request's next token, in one allocator call and one table write
         (per-request calls cost ~30 us each: 7 ms a step at 256 requests)."""
-        rows = torch.tensor([r.req_pool_idx for r in reqs])
-        cols = torch.tensor([r.kv_len for r in reqs])
-        table = self.req_pool.table
+        rows = np.fromiter((r.req_pool_idx for r in reqs), dtype=np.int64, count=len(reqs))
+        cols = np.fromiter((r.kv_len for r in reqs), dtype=np.int64, count=len(reqs))
+        table = self.req_table.table
         last = table[rows, cols - 1].tolist() if self.page_size > 1 else None
         slots = self.allocator.alloc_one_each(cols.tolist(), last)
         if slots is None:
             raise RuntimeError("the KV pool cannot hold one request; raise --max-total-tokens")
-        table[rows, cols] = torch.tensor(slots)
+        table[rows, cols] = slots
         for req in reqs:
             req.alloc_len = req.kv_len + 1
         return slots
@@ -74,7 +74,7 @@ class RequestKV:
         are shared before it finishes; its table row then points at the tree's slots."""
         row = req.req_pool_idx
         key = req.fill_ids[:req.kv_len]
-        slots = self.req_pool.table[row, :req.kv_len].tolist()
+        slots = self.req_table.table[row, :req.kv_len].tolist()
         already = self.tree.insert(key, slots, namespace=req.namespace)
         self.allocator.free(slots[req.cached_len:already])
         match = self.tree.match_prefix(key, namespace=req.namespace, record_stats=False)
@@ -82,7 +82,7 @@ class RequestKV:
         self.tree.lock(match.node)
         req.last_node = match.node
         req.cached_len = match.matched_len
-        self.req_pool.table[row, :match.matched_len] = torch.tensor(match.slot_indices, dtype=torch.int64)
+        self.req_table.table[row, :match.matched_len] = match.slot_indices
 
     def release(self, req: Req, retracting: bool = False) -> None:
         """Gives a request's KV back: its computed sequence goes into the tree (unless aborted or
@@ -91,7 +91,7 @@ class RequestKV:
             return
         row = req.req_pool_idx
         # Up to alloc_len: a forward that failed may have taken slots it never filled.
-        slots = self.req_pool.table[row, :max(req.kv_len, req.alloc_len)].tolist()
+        slots = self.req_table.table[row, :max(req.kv_len, req.alloc_len)].tolist()
         adopted = req.cached_len
         if not retracting and req.finish_reason is not None and req.finish_reason.type != "abort":
             already = self.tree.insert(req.fill_ids[:req.kv_len], slots[:req.kv_len], namespace=req.namespace)
@@ -99,7 +99,7 @@ class RequestKV:
             adopted = max(already, self._aligned(req.kv_len) if not self.tree.disable else 0)
         self.allocator.free(slots[adopted:])
         self.tree.unlock(req.last_node)
-        self.req_pool.free(row)
+        self.req_table.free(row)
         req.req_pool_idx = None
         req.last_node = None
         req.kv_len = req.cached_len = req.alloc_len = 0

@@ -1,6 +1,6 @@
 """Page tables in the CSR form paged-attention kernels read: indptr, page indices, last-page lengths.
 
-Built on the host from the request-to-token table (which lives there, see ReqToTokenPool):
+Built on the host from the request-to-token table (which lives there, see ReqToTokenTable):
 one numpy slice per request, so a decode step of hundreds of requests costs well under a
 millisecond and no device sync. The kernels' wrappers copy them to the device when planning.
 """

@@ -20,7 +20,7 @@ from radixlm.srt.executor.mem_pool import KVPool
 
 class TorchNativeBackend(AttentionBackend):
     def __init__(self, kv_pool: KVPool, req_to_token: torch.Tensor, scale: float, cascade: bool = True):
-        """req_to_token: the host table (ReqToTokenPool.table); rows are copied per batch.
+        """req_to_token: the host table (ReqToTokenTable.table, viewed as a tensor); rows are copied per batch.
         cascade: False attends every one-token request on its own (--disable-cascade-attention)."""
         self.kv_pool = kv_pool
         self.req_to_token = req_to_token

@@ -1,0 +1,92 @@
+"""The device engine: runs the scheduler's step plans on the model.
+
+`launch(plan)` builds the batch, runs the forward (a CUDA graph where one fits), applies
+penalties and grammar masks, samples, and starts copying the tokens to the host; it returns
+a PendingStep at once. The tokens (and logprobs) are read when the scheduler commits it. With
+overlap scheduling each request's newest token also stays on the device (`last_tokens`, per
+table row), so the next decode step can be launched before this one's tokens reach the host.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import numpy as np
+import torch
+
+from radixlm.srt.constrained.backend import GrammarBackend
+from radixlm.srt.executor.batch_builder import build_decode_batch, build_extend_batch
+from radixlm.srt.executor.grammar_mask import apply_grammar_masks
+from radixlm.srt.executor.logprobs import input_logprobs, output_logprobs
+from radixlm.srt.executor.model_runner import ModelRunner, kv_slots_for
+from radixlm.srt.executor.sampler import apply_penalties, sample
+from radixlm.srt.executor.token_transfer import TokenTransfer
+from radixlm.srt.scheduler.request import Req
+from radixlm.srt.scheduler.step_plan import PendingStep, StepPlan, StepResult
+from radixlm.srt.server_args import ServerArgs
+
+
+class DeviceEngine:
+    @staticmethod
+    def kv_capacity(config, args: ServerArgs) -> int:
+        """Token slots the KV pool can hold (--max-total-tokens, or what the device has room for)."""
+        return kv_slots_for(config, args)
+
+    def __init__(self, loaded, args: ServerArgs, req_to_token: np.ndarray, num_kv_slots: int, *,
+                 eos_ids: Sequence[int], grammar_backend: Callable[[], GrammarBackend]):
+        """req_to_token: the scheduler's host table, read in place (a tensor view of it)."""
+        self.device = torch.device(args.resolved_device())
+        self.runner = ModelRunner(loaded, args, torch.from_numpy(req_to_token), num_kv_slots)
+        self.eos_ids = tuple(eos_ids)
+        self._grammar_backend = grammar_backend
+        # Overlap gains nothing where the forward itself runs on the host (CPU).
+        self.overlap = self.device.type == "cuda" and not args.disable_overlap_schedule
+        self.last_tokens = torch.zeros(args.max_running_requests, dtype=torch.int64, device=self.device)
+        self._transfer = TokenTransfer(self.device)
+
+    @torch.inference_mode()
+    def launch(self, plan: StepPlan) -> PendingStep:
+        if plan.decode:
+            from_device = any(p.req.pending_tokens for p in plan.parts)
+            batch = build_decode_batch(plan.parts, self.device, self.last_tokens if from_device else None)
+        else:
+            batch = build_extend_batch(plan.parts, self.device)
+        logits = self.runner.forward(batch)
+        prompt_logprobs: dict[int, tuple[list, list]] = {}
+        if plan.decode:
+            sample_logits = logits  # one row per part, every part samples
+        else:
+            rows, offset = [], 0
+            for index, part in enumerate(plan.parts):
+                kept = logits[offset:offset + part.logit_count]
+                offset += part.logit_count
+                if part.input_logprobs:
+                    prompt_logprobs[index] = input_logprobs(part.req, kept, part.first_logit_pos)
+                if part.samples:
+                    rows.append(kept[-1])
+            sample_logits = torch.stack(rows) if rows else None
+        if sample_logits is None:
+            return PendingStep(plan, lambda: StepResult([], [], prompt_logprobs))
+        return PendingStep(plan, self._sample(plan.sampling_reqs, sample_logits, prompt_logprobs))
+
+    def _sample(self, reqs: list[Req], logits: torch.Tensor,
+                prompt_logprobs: dict[int, Any]) -> Callable[[], StepResult]:
+        """Samples every request's next token on the device and starts copying them to the host;
+        returns what reads them (and their logprobs) when the step is committed."""
+        top_ks = [r.logprob.top_logprobs_num if r.logprob.return_logprob else None for r in reqs]
+        logprobs = torch.log_softmax(logits, dim=-1) if any(k is not None for k in top_ks) else None
+        apply_penalties(logits, reqs, self.eos_ids)
+        if any(r.grammar is not None for r in reqs):
+            apply_grammar_masks(logits, reqs, self._grammar_backend())
+        next_ids = sample(logits, reqs)
+        if self.overlap:
+            rows = torch.tensor([r.req_pool_idx for r in reqs]).to(self.device, non_blocking=True)
+            self.last_tokens[rows] = next_ids
+        tokens = self._transfer.start(next_ids)
+
+        def collect() -> StepResult:
+            ids = tokens()
+            lps = output_logprobs(logprobs, ids, top_ks) if logprobs is not None else []
+            return StepResult(ids, lps, prompt_logprobs)
+
+        return collect
