@@ -149,8 +149,8 @@ def radixlm_select(endpoint: sgl.RuntimeEndpoint, questions: list[wl.MCQuestion]
 
 class HFScorer:
     """HF transformers, fp32, scoring each full prompt + choice in its own forward pass. The
-    prompt/choice boundary is select's own (the client tokenizer's longest common token prefix
-    of prompt and prompt + choice), and only the logits the score needs are computed."""
+    prompt/choice boundary is select's own (the longest common token prefix of prompt and
+    prompt + choice), and only the logits the score needs are computed."""
 
     def __init__(self, model_path: str | None, tokenizer):
         import torch
@@ -190,6 +190,14 @@ class HFScorer:
         return {"picks": picks, "scores": scores, "forward_passes": passes, "forward_tokens": tokens}
 
 
+def local_tokenizer(model_path: str | None):
+    """The model's tokenizer in this process (the same ids as the server's /tokenize)."""
+    from radixlm.srt.executor.model_loader import load_model
+    from radixlm.tokenizer import load_client_tokenizer
+
+    return load_client_tokenizer(load_model(model_path, with_weights=False).local_dir)
+
+
 def _common_prefix_len(a: list[int], b: list[int]) -> int:
     n = 0
     while n < len(a) and n < len(b) and a[n] == b[n]:
@@ -201,13 +209,10 @@ def bench_few_shot_select(server: ManagedServer, args: argparse.Namespace) -> No
     url, pgid = server.base_url, server.proc.pid
     questions = list(wl.QUESTIONS[:args.num_questions])
     endpoint = sgl.RuntimeEndpoint(url, timeout=args.request_timeout)
-    t0 = time.perf_counter()
-    tok = endpoint.tokenizer()  # loaded once per client, not per question: kept out of the timing
-    tokenizer_load_s = time.perf_counter() - t0
-    if tok is None:
-        raise RuntimeError("no client tokenizer: select would fall back to text scoring")
-    prefix_len = len(tok.encode(FEW_SHOT_PREFIX))
-    prompt_lens = [len(tok.encode(FEW_SHOT_PREFIX + wl.format_question(q))) for q in questions]
+    ids = endpoint.tokenize([FEW_SHOT_PREFIX] + [FEW_SHOT_PREFIX + wl.format_question(q) for q in questions])
+    if ids is None:
+        raise RuntimeError("the server has no /tokenize: select would fall back to text scoring")
+    prefix_len, prompt_lens = len(ids[0]), [len(i) for i in ids[1:]]
     common = {"bench": "lang", "workload": "few-shot-select", "questions": len(questions), "choices_per_question": 4,
               "prefix_tokens": prefix_len, "prompt_tokens_mean": round(statistics.fmean(prompt_lens), 1)}
 
@@ -223,12 +228,13 @@ def bench_few_shot_select(server: ManagedServer, args: argparse.Namespace) -> No
                      "questions_per_s": round(len(questions) / seconds, 3),
                      "accuracy": _accuracy(ours["picks"], questions),
                      "server_cache": info.get("cache"), "server_kv_leaked": (info.get("kv") or {}).get("leaked"),
-                     "client_tokenizer_load_s": round(tokenizer_load_s, 3), **noise}
+                     **noise}
         emit(ours_line, args)
         if not budget.again(noise, "radixlm select"):
             break
     server.stop()  # HF runs alone on the cores
 
+    tok = local_tokenizer(args.model_path)  # the server is gone: HF's side tokenizes here
     scorer = HFScorer(args.model_path, tok)
     scorer.choice_logprobs(tok.encode(FEW_SHOT_PREFIX)[:64] + [tok.encode(" Paris")[0]], 64)  # warm-up
     budget = RetryBudget(min(1, args.retry_noisy))  # HF takes minutes: one retry at most

@@ -17,6 +17,15 @@ from radixlm.backend import BackendError
 DEFAULT_TIMEOUT_S = 600.0
 
 
+class HttpStatusError(BackendError):
+    """The server answered with an HTTP error status (kept, so a caller can tell a route the
+    server lacks, 404, from a request it refused)."""
+
+    def __init__(self, message: str, status: int):
+        super().__init__(message)
+        self.status = status
+
+
 class HttpClient:
     def __init__(self, base_url: str, api_key: str | None = None, timeout: float = DEFAULT_TIMEOUT_S):
         self.base_url = base_url.rstrip("/")
@@ -60,7 +69,7 @@ class HttpClient:
         try:
             return urllib.request.urlopen(request, timeout=self.timeout)
         except urllib.error.HTTPError as e:
-            raise BackendError(_error_message(e)) from None
+            raise HttpStatusError(_error_message(e), e.code) from None
         except (urllib.error.URLError, socket.timeout, ConnectionError) as e:
             reason = getattr(e, "reason", e)
             raise BackendError(f"cannot reach the server at {self.base_url}: {reason}") from None

@@ -2,16 +2,20 @@
 
 The server runs in its own process tree (HTTP front, scheduler, detokenizer) on a free port;
 this object waits until /health answers, then delegates every backend call to `.endpoint`, a
-RuntimeEndpoint. `shutdown()` (also run at interpreter exit) stops the child.
+RuntimeEndpoint. `shutdown()` (also run at interpreter exit) stops the child. The server's
+command line is the only contract with the runtime: nothing here imports it, and the flags it
+takes are read from its `--help` (exact names: its parser would take a typo that is the prefix
+of a flag for that flag).
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
-import dataclasses
+import functools
 import logging
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -29,8 +33,8 @@ from radixlm.sampling import SamplingParams
 
 logger = logging.getLogger(__name__)
 
-_EXTRA_FLAGS = {"served_model_name", "log_level"}  # launch flags that are not ServerArgs fields
 _STOP_TIMEOUT_S = 30.0
+_SERVER_COMMAND = [sys.executable, "-m", "radixlm.srt.launch"]
 
 
 class Runtime(Backend):
@@ -39,18 +43,14 @@ class Runtime(Backend):
 
     def __init__(self, model_path: str | None = None, *, startup_timeout: float = 600.0, log_level: str = "warning",
                  **server_args: Any):
-        from radixlm.srt.server_args import ServerArgs  # no torch: its torch uses are inside methods
-
-        known = {f.name for f in dataclasses.fields(ServerArgs)} | _EXTRA_FLAGS
-        unknown = sorted(set(server_args) - known)
+        unknown = sorted(set(server_args) - _server_flags())
         if unknown:
             raise TypeError(f"Runtime() got unexpected server arguments {unknown}")
         self.port = int(server_args.pop("port", None) or _free_port())
         host = server_args.pop("host", "127.0.0.1")
         self.url = f"http://{host}:{self.port}"
         self.api_key = server_args.get("api_key")
-        args = [sys.executable, "-m", "radixlm.srt.launch", "--host", host, "--port", str(self.port),
-                "--log-level", log_level]
+        args = [*_SERVER_COMMAND, "--host", host, "--port", str(self.port), "--log-level", log_level]
         if model_path is not None:
             args += ["--model-path", str(model_path)]
         for name, value in server_args.items():
@@ -63,8 +63,8 @@ class Runtime(Backend):
         atexit.register(self.shutdown)
         try:
             self._wait_healthy(startup_timeout)
-            self.endpoint = RuntimeEndpoint(self.url, self.api_key,
-                                            tokenizer_path=server_args.get("tokenizer_path"))
+            # Token ids and the chat template come from the server itself.
+            self.endpoint = RuntimeEndpoint(self.url, self.api_key)
         except BaseException:
             self.shutdown()
             raise
@@ -139,6 +139,14 @@ class Runtime(Backend):
 
     def __exit__(self, *exc: Any) -> None:
         self.shutdown()
+
+
+@functools.cache
+def _server_flags() -> frozenset[str]:
+    """The server's flags as keyword names (`--max-total-tokens` -> max_total_tokens)."""
+    usage = subprocess.run([*_SERVER_COMMAND, "--help"], capture_output=True, text=True, check=True,
+                           timeout=120).stdout
+    return frozenset(f[2:].replace("-", "_") for f in re.findall(r"--[a-z][a-z0-9-]*", usage)) - {"help"}
 
 
 def _flag(name: str, value: Any) -> list[str]:

@@ -1,5 +1,8 @@
 """RuntimeEndpoint: the backend for a radixlm (or SGLang) server's native API.
 
+Everything comes from the server over HTTP: token ids from /tokenize, the chat template and
+special tokens from /get_model_info. The client needs no model files and no runtime code.
+
 `select` scores every choice in one batched /generate call with `max_new_tokens: 0` and
 prompt logprobs, after a prefill-only call has put the prompt in the radix cache, so every
 choice shares the prompt's KV and only its own tokens are computed.
@@ -7,12 +10,12 @@ choice shares the prompt's KV and only its own tokens are computed.
 The boundary between prompt and choice: a choice's tokens are those of `tokenize(prompt +
 choice)` after its longest common token prefix with `tokenize(prompt)` (a token that merges
 the prompt's last characters with the choice's first ones is scored as part of the choice).
-With the model's tokenizer on this machine (found from /get_model_info, or `tokenizer_path`)
-the client tokenizes and sends `input_ids`, so the boundary is exact. Without it, the client
-sends text and compares the token ids the server reports for the last `_BOUNDARY_WINDOW` prompt
-tokens with those of each prompt+choice — the same rule, exact unless a choice changes the
-tokenization of the prompt further back than that window (BPE pre-tokenization keeps such
-changes to the last word).
+The ids come from the server's /tokenize (or a local tokenizer the caller names with
+`tokenizer_path`) and are sent as `input_ids`, so the boundary is exact. A server without
+/tokenize gets text, and the client compares the token ids the server reports for the last
+`_BOUNDARY_WINDOW` prompt tokens with those of each prompt+choice — the same rule, exact unless
+a choice changes the tokenization of the prompt further back than that window (BPE
+pre-tokenization keeps such changes to the last word).
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from typing import Any, Iterator
 from radixlm.backend import Backend, BackendError, Generation, Prompt
 from radixlm.chat_template import ChatRenderer
 from radixlm.choices import ChoiceDecision, ChoicesMethod, TokenLogprobs
-from radixlm.http_client import DEFAULT_TIMEOUT_S, HttpClient
+from radixlm.http_client import DEFAULT_TIMEOUT_S, HttpClient, HttpStatusError
 from radixlm.sampling import SamplingParams
 from radixlm.tokenizer import ClientTokenizer, load_client_tokenizer, render_chat_template
 
@@ -35,17 +38,20 @@ _PREFILL_ONLY = {"max_new_tokens": 0}
 
 
 class RuntimeEndpoint(Backend):
-    """A running server at `base_url` (checked now through /get_model_info)."""
+    """A running server at `base_url` (checked now through /get_model_info).
+
+    tokenizer_path: a tokenizer on this machine to tokenize with and take the chat template
+    from, instead of asking the server."""
 
     def __init__(self, base_url: str, api_key: str | None = None, *, tokenizer_path: str | None = None,
                  timeout: float = DEFAULT_TIMEOUT_S):
         self.base_url = base_url.rstrip("/")
         self._http = HttpClient(self.base_url, api_key, timeout)
         self.model_info: dict[str, Any] = self._http.get("/get_model_info")
-        self._tokenizer_path = tokenizer_path or self.model_info.get("tokenizer_path")
-        self._tokenizer: ClientTokenizer | None = None
-        self._tokenizer_error: Exception | None = None
+        self._tokenizer_path = tokenizer_path
+        self._local_tokenizer: ClientTokenizer | None = None
         self._tokenizer_lock = threading.Lock()
+        self._server_tokenizes = True  # until a server answers /tokenize with 404 (older servers)
 
     # ---- information and cache -------------------------------------------------------------
 
@@ -63,31 +69,45 @@ class RuntimeEndpoint(Backend):
         if text:
             self._http.post("/generate", {"text": text, "sampling_params": _PREFILL_ONLY})
 
-    # ---- tokenizer and chat template -------------------------------------------------------
+    # ---- token ids and chat template ------------------------------------------------------
 
-    def tokenizer(self) -> ClientTokenizer | None:
-        """The model's tokenizer loaded on this machine, or None when it is not available here."""
+    def tokenize(self, texts: list[str]) -> list[list[int]] | None:
+        """Each text's token ids as the server's /generate sees them (no special tokens added);
+        None when the server has no /tokenize and no local tokenizer was named."""
+        tok = self._tokenizer()
+        if tok is not None:
+            return [tok.encode(t) for t in texts]
+        if not self._server_tokenizes:
+            return None
+        try:
+            reply = self._http.post("/tokenize", {"prompt": list(texts), "add_special_tokens": False})
+        except HttpStatusError as e:
+            if e.status != 404:
+                raise
+            logger.info("%s has no /tokenize; select compares the ids the server reports", self.base_url)
+            self._server_tokenizes = False
+            return None
+        return reply["tokens"]
+
+    def _tokenizer(self) -> ClientTokenizer | None:
+        """The local tokenizer named by `tokenizer_path` (loaded on first use), else None."""
+        if self._tokenizer_path is None:
+            return None
         with self._tokenizer_lock:
-            if self._tokenizer is None and self._tokenizer_error is None:
-                try:
-                    self._tokenizer = load_client_tokenizer(self.model_info.get("model_path"), self._tokenizer_path)
-                except Exception as e:  # not on this machine, offline hub id, ...
-                    logger.info("no local tokenizer for %s: %s", self.base_url, e)
-                    self._tokenizer_error = e
-            return self._tokenizer
+            if self._local_tokenizer is None:
+                self._local_tokenizer = load_client_tokenizer(self._tokenizer_path)
+            return self._local_tokenizer
 
     def get_chat_template(self) -> ChatRenderer:
         name = f"chat template of {self.model_info.get('model_path')}"
-        tok = self.tokenizer()
+        tok = self._tokenizer()
         if tok is not None:
             if not tok.has_chat_template:
-                raise BackendError("roles need a chat template, and this model's tokenizer has none")
+                raise BackendError(f"roles need a chat template, and the tokenizer at {self._tokenizer_path} has none")
             return ChatRenderer(tok.apply_chat_template, name=name)
-        # No tokenizer here (a remote server): render the template the server reports.
         template = self.model_info.get("chat_template")
         if not template:
-            raise BackendError(f"roles need the model's chat template, but the server reports none and its tokenizer "
-                               f"is not available on this machine ({self._tokenizer_error})")
+            raise BackendError("roles need the model's chat template, but the server reports none")
         special = dict(self.model_info.get("special_tokens") or {})
         return ChatRenderer(lambda messages, add_generation_prompt: render_chat_template(
             template, special, messages, add_generation_prompt), name=name)
@@ -115,18 +135,17 @@ class RuntimeEndpoint(Backend):
     def select(self, prompt: Prompt, choices: list[str], temperature: float, method: ChoicesMethod) -> ChoiceDecision:
         if not prompt.text:
             raise ValueError("select: needs some text before it to score the choices after")
-        tok = self.tokenizer()
-        if tok is not None:
-            logprobs, choice_ids = self._score_with_ids(tok, prompt.text, choices)
+        ids = self.tokenize([prompt.text] + [prompt.text + c for c in choices])
+        if ids is not None:
+            logprobs, choice_ids = self._score_with_ids(ids[0], ids[1:])
         else:
             logprobs, choice_ids = self._score_with_text(prompt.text, choices)
         unconditional = self._unconditional(choice_ids) if method.requires_unconditional_logprobs else None
         return method(choices, logprobs, unconditional, temperature)
 
-    def _score_with_ids(self, tok: ClientTokenizer, text: str,
-                        choices: list[str]) -> tuple[list[TokenLogprobs], list[list[int]]]:
-        prompt_ids = tok.encode(text)
-        seqs = [tok.encode(text + c) for c in choices]
+    def _score_with_ids(self, prompt_ids: list[int],
+                        seqs: list[list[int]]) -> tuple[list[TokenLogprobs], list[list[int]]]:
+        """prompt_ids: the prompt's ids; seqs: those of prompt + each choice."""
         # Position 0 has no logprob, and every choice keeps at least one token.
         starts = [max(1, min(_common_prefix_len(prompt_ids, s), len(s) - 1)) for s in seqs]
         self._http.post("/generate", {"input_ids": prompt_ids, "sampling_params": _PREFILL_ONLY})

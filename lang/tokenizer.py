@@ -1,14 +1,15 @@
-"""The client side's tokenizer: token ids and chat-template rendering exactly as the server's.
+"""Local tokenizers the caller names, and chat-template rendering without a tokenizer.
 
-`select` needs token ids to find where the prompt ends and a choice begins, and roles need the
-model's chat template. Both come from the model's own tokenizer files, loaded here with the
-`tokenizers` library and rendered with transformers' own Jinja renderer — neither imports
-torch, so a client starts in a second or two. The server tokenizes with
-`tokenizer.encode(text, add_special_tokens=False)` and renders chats with
-`apply_chat_template(..., tokenize=False)`; these produce the same ids and text.
+A radixlm (or SGLang) server is asked for token ids (/tokenize) and reports its chat template
+and special tokens (/get_model_info), so RuntimeEndpoint needs no model files: it renders roles
+with `render_chat_template`. A local tokenizer is used only where the caller passes a
+`tokenizer_path` (the OpenAI backend's chat template; a RuntimeEndpoint told to tokenize on
+this machine).
 
-Where the files are not on disk in HF form (a GGUF never converted, a hub id), the runtime's
-own loader (`radixlm.srt.executor.model_loader`, which imports torch) is used once to produce them.
+Ids and text match the server's: it tokenizes with `tokenizer.encode(text,
+add_special_tokens=False)` and renders chats with `apply_chat_template(..., tokenize=False)`.
+An HF tokenizer directory is read with the `tokenizers` library and rendered with
+transformers' own Jinja renderer; neither imports torch.
 """
 
 from __future__ import annotations
@@ -23,7 +24,6 @@ from typing import Any, Protocol
 logger = logging.getLogger(__name__)
 
 _SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
-_MARKER_FILE = "radixlm_source.json"  # written by srt/gguf_loader.py into each converted directory
 
 
 class ClientTokenizer(Protocol):
@@ -73,7 +73,7 @@ def render_chat_template(template: str, special_tokens: dict[str, str], messages
 
 
 class HFTokenizer:
-    """Wraps a transformers tokenizer object (the fallback path, or one a user passes in)."""
+    """Wraps a transformers tokenizer object (a hub id or a GGUF file, or one a user passes in)."""
 
     def __init__(self, tokenizer: Any):
         self._tokenizer = tokenizer
@@ -93,66 +93,33 @@ class HFTokenizer:
                                                        tokenize=False)
 
 
-_cache: dict[tuple[str, str | None], ClientTokenizer] = {}
+_cache: dict[str, ClientTokenizer] = {}
 _cache_lock = threading.Lock()
 
 
-def load_client_tokenizer(model_path: str | None, tokenizer_path: str | None = None) -> ClientTokenizer:
-    """The tokenizer for a model as the server names it (`model_path` None: the default model).
+def load_client_tokenizer(tokenizer_path: str | os.PathLike[str]) -> ClientTokenizer:
+    """The tokenizer at `tokenizer_path`: an HF tokenizer directory, a GGUF file, or a hub id.
 
-    Raises FileNotFoundError / ValueError when it cannot be found. Results are cached per path.
+    Raises OSError / ValueError when it cannot be loaded. Results are cached per path.
     """
-    key = (str(model_path), tokenizer_path)
+    key = os.fspath(tokenizer_path)
     with _cache_lock:
         found = _cache.get(key)
         if found is None:
-            found = _cache[key] = _load(model_path, tokenizer_path)
+            found = _cache[key] = _load(Path(key).expanduser())
         return found
 
 
-def _load(model_path: str | None, tokenizer_path: str | None) -> ClientTokenizer:
-    for source in (tokenizer_path, model_path):
-        if source is None:
-            continue
-        directory = _hf_dir_without_torch(Path(source).expanduser())
-        if directory is not None:
-            logger.debug("client tokenizer from %s", directory)
-            return DirTokenizer(directory)
-    # Convert or download through the runtime's loader; it caches what it produces.
-    from radixlm.srt.executor.model_loader import load_model
-
-    meta = load_model(model_path, tokenizer_path=tokenizer_path, with_weights=False)
-    if meta.tokenizer is None:
-        raise ValueError(f"{model_path}: the model has no tokenizer; pass tokenizer_path")
-    local = Path(tokenizer_path or meta.local_dir)
-    directory = _hf_dir_without_torch(local)
-    return DirTokenizer(directory) if directory is not None else HFTokenizer(meta.tokenizer)
-
-
-def _hf_dir_without_torch(path: Path) -> Path | None:
-    """An HF tokenizer directory for `path` if one already exists on disk, else None."""
+def _load(path: Path) -> ClientTokenizer:
     if path.is_dir() and (path / "tokenizer.json").is_file():
-        return path
+        logger.debug("client tokenizer from %s", path)
+        return DirTokenizer(path)
+    # Anything else goes through transformers (slow tokenizers, GGUF vocabularies, hub ids).
+    from transformers import AutoTokenizer
+
     if path.is_file() and path.suffix == ".gguf":
-        return _converted_gguf_dir(path)
-    return None
-
-
-def _converted_gguf_dir(gguf_path: Path) -> Path | None:
-    """The directory srt/gguf_loader.py converted this GGUF into, found by its marker file."""
-    root_env = os.environ.get("RADIXLM_CACHE_DIR")
-    root = Path(root_env).expanduser() if root_env else Path.home() / ".cache" / "radixlm" / "converted"
-    resolved = gguf_path.resolve()
-    stat = resolved.stat()
-    if not root.is_dir():
-        return None
-    for candidate in sorted(root.glob(f"{resolved.stem}-*")):
-        marker = _read_json(candidate / _MARKER_FILE)
-        same_file = (marker.get("source") == str(resolved) and marker.get("size") == stat.st_size
-                     and marker.get("mtime_ns") == stat.st_mtime_ns)
-        if same_file and (candidate / "tokenizer.json").is_file():
-            return candidate
-    return None
+        return HFTokenizer(AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name))
+    return HFTokenizer(AutoTokenizer.from_pretrained(str(path)))
 
 
 def _chat_template(path: Path, config: dict[str, Any]) -> str | None:

@@ -3,6 +3,9 @@ greedy. The asserted answers are the model's own greedy answers, checked beforeh
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 
 import radixlm as sgl
@@ -65,16 +68,39 @@ def test_multi_turn_chat_roles_cache_and_chat_api_identity(backend, server):
     assert usage["prompt_tokens_details"]["cached_tokens"] == usage["prompt_tokens"] - 1
 
 
-def test_roles_without_a_local_tokenizer_use_the_servers_template(backend, server):
-    """A client on another machine (no tokenizer on disk) renders roles from the chat template
-    the server reports, to the same text as with the tokenizer."""
-    remote = sgl.RuntimeEndpoint(server.base_url)
-    remote._tokenizer_error = FileNotFoundError("pretend the model is elsewhere")
-    assert remote.tokenizer() is None and remote.model_info["chat_template"]
-    local_state = multi_turn_chat.run(backend=backend, temperature=0)
-    remote_state = multi_turn_chat.run(backend=remote, temperature=0)
-    assert remote_state.text() == local_state.text()
-    assert remote_state.get_meta_info("a2")["cached_tokens"] >= remote_state.get_meta_info("a1")["prompt_tokens"]
+def test_roles_from_a_local_tokenizer_equal_those_from_the_servers_template(backend, server):
+    """Roles come from the chat template /get_model_info reports; a client told to use the
+    model's tokenizer on this machine (tokenizer_path) renders the same text."""
+    from radixlm.srt.executor.model_loader import default_model_path, load_model
+
+    local = sgl.RuntimeEndpoint(server.base_url,
+                                tokenizer_path=load_model(default_model_path(), with_weights=False).local_dir)
+    assert backend.model_info["chat_template"]
+    server_state = multi_turn_chat.run(backend=backend, temperature=0)
+    local_state = multi_turn_chat.run(backend=local, temperature=0)
+    assert local_state.text() == server_state.text()
+    assert local_state.get_meta_info("a2")["cached_tokens"] >= local_state.get_meta_info("a1")["prompt_tokens"]
+
+
+def test_client_process_imports_no_torch_and_no_runtime(server):
+    """A program against a server (roles, gen, select) needs neither torch nor radixlm.srt in
+    the client: everything comes over HTTP."""
+    code = f"""
+import sys
+import radixlm as sgl
+
+@sgl.function
+def prog(s):
+    s += sgl.user("Is this review positive or negative? I loved it!")
+    s += sgl.assistant("The review is " + sgl.select("label", ["positive", "negative"]) + sgl.gen("x", max_tokens=2))
+
+state = prog.run(backend=sgl.RuntimeEndpoint({server.base_url!r}), temperature=0)
+assert state["label"] == "positive", state.text()
+print(sorted(m for m in sys.modules if m == "torch" or m.startswith(("torch.", "radixlm.srt"))))
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["[]"]
 
 
 @sgl.function
@@ -103,11 +129,10 @@ def test_select_scores_are_the_choice_tokens_logprobs(backend, server):
 
     state = prog.run(backend=backend)
     assert state["yn"] in ("yes", "no", "maybe not")
-    tok = backend.tokenizer()
     scores = state.get_meta_info("yn")["scores"]
-    for choice, score in zip(["yes", "no", "maybe not"], scores):
-        ids = tok.encode(prompt + choice)
-        start = len(tok.encode(prompt)) - 1  # the prompt's trailing " " merges into the choice
+    prompt_ids, *seqs = backend.tokenize([prompt] + [prompt + c for c in ["yes", "no", "maybe not"]])
+    for ids, score in zip(seqs, scores):
+        start = len(prompt_ids) - 1  # the prompt's trailing " " merges into the choice
         body = {"input_ids": ids, "sampling_params": {"max_new_tokens": 0}, "return_logprob": True,
                 "logprob_start_len": 0}
         with server.client() as client:
@@ -116,14 +141,13 @@ def test_select_scores_are_the_choice_tokens_logprobs(backend, server):
         assert score == pytest.approx(sum(expected) / len(expected), abs=1e-3)
 
 
-def test_select_without_a_local_tokenizer_finds_the_same_boundary(backend, server):
-    """A server whose model files are not on this machine: the boundary comes from the token
-    ids the server reports, and scores equal the exact (client-tokenized) ones."""
+def test_select_without_server_tokenize_finds_the_same_boundary(backend, server):
+    """A server without /tokenize (older ones): the boundary comes from the token ids the
+    server reports for the prompt, and scores equal the exact (/tokenize) ones."""
     remote = sgl.RuntimeEndpoint(server.base_url)
-    remote._tokenizer_error = FileNotFoundError("pretend the model is elsewhere")
-    assert remote.tokenizer() is None
+    remote._server_tokenizes = False  # as after a 404 from /tokenize
+    assert remote.tokenize(["x"]) is None
     exact = classify.run("I loved this movie, it was great!", backend=backend)
-    # Roles come from the chat template the server reports.
     assert classify.run("I loved this movie, it was great!", backend=remote)["label"] == exact["label"]
 
     @sgl.function
@@ -164,8 +188,8 @@ def test_fork_join_shares_the_trunk(backend):
     details = state["detail"]
     assert isinstance(details, list) and len(details) == 2 and all(d.strip() for d in details)
     assert state["summary"].strip()
-    trunk_tokens = len(backend.tokenizer().encode("Here are two tips for staying healthy: 1. Balanced diet. "
-                                                  "2. Regular exercise."))
+    trunk_tokens = len(backend.tokenize(["Here are two tips for staying healthy: 1. Balanced diet. "
+                                         "2. Regular exercise."])[0])
     for branch in state.ret_value:  # the trunk was committed before the branches ran
         assert branch.get_meta_info("detail")["cached_tokens"] >= trunk_tokens
 

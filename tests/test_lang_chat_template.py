@@ -50,9 +50,9 @@ FAMILIES = {
 
 @pytest.fixture(scope="module")
 def default_dir_tokenizer() -> DirTokenizer:
-    from radixlm.srt.executor.model_loader import default_model_path
+    from radixlm.srt.executor.model_loader import default_model_path, load_model
 
-    tok = load_client_tokenizer(default_model_path())
+    tok = load_client_tokenizer(load_model(default_model_path(), with_weights=False).local_dir)
     assert isinstance(tok, DirTokenizer)
     return tok
 

@@ -10,7 +10,7 @@ from server_helpers import pid_alive
 
 def test_runtime_rejects_unknown_server_arguments():
     with pytest.raises(TypeError, match="max_total_token"):
-        sgl.Runtime(max_total_token=100)  # a typo must not start a server
+        sgl.Runtime(max_total_token=100)  # a typo must not start a server (nor pass as a prefix)
 
 
 @pytest.mark.slow

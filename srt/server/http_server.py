@@ -12,6 +12,7 @@ import orjson
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from radixlm.srt.server.tokenize_routes import add_tokenize_routes
 from radixlm.srt.server.tokenizer_manager import GenerateRequest, TokenizerManager, expand_n
 
 logger = logging.getLogger(__name__)
@@ -176,6 +177,7 @@ def create_app(state: ServerState, api_key: str | None) -> FastAPI:
             return Response(status_code=499)
         return _json(results if batched else results[0])
 
+    add_tokenize_routes(app, state)
     return app
 
 
