@@ -3,19 +3,16 @@
 from __future__ import annotations
 
 import gc
-import itertools
 import logging
 import time
-import uuid
 from typing import Any
 
 import torch
 
-from radixlm.srt.scheduler.finish import output_text
-from radixlm.srt.server.input_validation import prompt_token_ids
-from radixlm.srt.executor.logprobs import logprob_meta
-from radixlm.srt.scheduler.request import LogprobOptions, Req
-from radixlm.srt.sampling_params import SamplingParams
+from radixlm.srt.intake import Intake
+from radixlm.srt.io_struct import TokenizedGenerateReq
+from radixlm.srt.results import LogprobRecord, Progress, final_text, result
+from radixlm.srt.scheduler.request import Req
 from radixlm.srt.scheduler.scheduler import Scheduler
 from radixlm.srt.server_args import ServerArgs
 
@@ -35,7 +32,7 @@ class Engine:
         self.tokenizer = loaded.tokenizer
         self.model_config = loaded.config
         self.scheduler = Scheduler(loaded, args)
-        self._rid_counter = itertools.count()
+        self.intake = Intake(self.tokenizer, self.model_config.vocab_size, self.scheduler.context_len)
 
     def generate(
         self,
@@ -47,20 +44,15 @@ class Engine:
         top_logprobs_num: int = 0,
         return_text_in_logprobs: bool = False,
         rid: str | list[str] | None = None,
+        cache_salt: str | None = None,
     ) -> dict[str, Any] | list[dict[str, Any]]:
-        """Generates for one prompt (returns a dict) or a batch (returns a list, input order)."""
-        batched, prompts_ids = self._tokenize(prompt, input_ids)
-        params_list = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts_ids)
-        if len(params_list) != len(prompts_ids):
-            raise ValueError("sampling_params: a list must have one entry per prompt")
-        rids = rid if isinstance(rid, list) else [rid] * len(prompts_ids)
-        logprob = _logprob_options(return_logprob, logprob_start_len, top_logprobs_num)
-        reqs = []
-        for ids, params, one_rid in zip(prompts_ids, params_list, rids):
-            sp = SamplingParams.from_dict(params, vocab_size=self.model_config.vocab_size)
-            for _ in range(sp.n):
-                reqs.append(Req(rid=one_rid if one_rid and sp.n == 1 else uuid.uuid4().hex, origin_input_ids=ids,
-                                sampling_params=sp, logprob=logprob))
+        """Generates for one prompt (returns a dict) or a batch (returns a list, input order;
+        n > 1 samples of a prompt follow each other). Validation is the server's (srt/intake.py)."""
+        batched, groups = self.intake.batch(
+            prompt, input_ids, sampling_params, rid, text_field="prompt", return_logprob=return_logprob,
+            logprob_start_len=logprob_start_len, top_logprobs_num=top_logprobs_num, cache_salt=cache_salt)
+        msgs = [m for group in groups for m in group]
+        reqs = [Req.from_tokenized(m, self.model_config.vocab_size) for m in msgs]
         start = time.perf_counter()
         for req in reqs:
             self.scheduler.add_request(req)
@@ -71,37 +63,17 @@ class Engine:
             self.scheduler.abort_all(f"internal error: {e}")
             raise
         latency = time.perf_counter() - start
-        outputs = [self._output(r, latency, return_text_in_logprobs) for r in reqs]
+        outputs = [self._output(m, r, latency, return_text_in_logprobs) for m, r in zip(msgs, reqs)]
         return outputs if batched or len(outputs) > 1 else outputs[0]
 
-    def _tokenize(self, prompt, input_ids) -> tuple[bool, list[list[int]]]:
-        if prompt is not None and input_ids is not None:
-            raise ValueError("prompt: give exactly one of prompt or input_ids")
-        batched = isinstance(prompt, list) if prompt is not None else \
-            isinstance(input_ids, list) and bool(input_ids) and isinstance(input_ids[0], list)
-        items = (prompt if prompt is not None else input_ids) if batched else [prompt if prompt is not None else input_ids]
-        if not items:
-            raise ValueError("prompt: must be a string or a non-empty list of strings")
-        check = dict(vocab_size=self.model_config.vocab_size, context_len=self.scheduler.context_len,
-                     text_field="prompt")
-        if prompt is not None:
-            return batched, [prompt_token_ids(self.tokenizer, t, None, **check) for t in items]
-        return batched, [prompt_token_ids(self.tokenizer, None, ids, **check) for ids in items]
-
-    def _output(self, req: Req, latency: float, with_text: bool) -> dict[str, Any]:
-        meta: dict[str, Any] = {
-            "id": req.rid,
-            "prompt_tokens": len(req.origin_input_ids),
-            "completion_tokens": len(req.output_ids),
-            "cached_tokens": req.cached_tokens,
-            "finish_reason": req.finish_reason.to_dict(),
-            "e2e_latency": latency,
-        }
-        if req.logprob.return_logprob:
-            meta.update(logprob_meta(self.tokenizer, with_text, req.logprob.top_logprobs_num,
-                                     req.input_token_logprobs, req.input_top_logprobs,
-                                     req.output_token_logprobs, req.output_top_logprobs))
-        return {"text": output_text(req, self.tokenizer), "output_ids": list(req.output_ids), "meta_info": meta}
+    def _output(self, msg: TokenizedGenerateReq, req: Req, latency: float, with_text: bool) -> dict[str, Any]:
+        finish = req.finish_reason.to_dict()
+        logprobs = LogprobRecord(req.input_token_logprobs, req.input_top_logprobs, req.output_token_logprobs,
+                                 req.output_top_logprobs)
+        progress = Progress(text=final_text(self.tokenizer, req.output_ids, req.sampling_params, finish),
+                            output_ids=req.output_ids, cached_tokens=req.cached_tokens, finish_reason=finish,
+                            e2e_latency=latency, logprobs=logprobs)
+        return result(msg, progress, self.tokenizer, with_text)
 
     def flush_cache(self) -> bool:
         return self.scheduler.flush_cache()
@@ -112,13 +84,3 @@ class Engine:
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
 
-
-def _logprob_options(return_logprob: bool, start: int | None, top_k: int) -> LogprobOptions:
-    if not isinstance(return_logprob, bool):
-        raise ValueError("return_logprob: must be a boolean")
-    if start is not None and (not isinstance(start, int) or start < -1):
-        raise ValueError("logprob_start_len: must be an integer >= -1")
-    if not isinstance(top_k, int) or top_k < 0:
-        raise ValueError("top_logprobs_num: must be an integer >= 0")
-    return LogprobOptions(return_logprob=return_logprob, logprob_start_len=-1 if start is None else start,
-                          top_logprobs_num=top_k)

@@ -2,7 +2,9 @@
 
 Paths: tokenizer manager -> scheduler (requests, aborts, control); scheduler -> detokenizer
 (token ids per step; control replies pass through unchanged); detokenizer -> tokenizer manager
-(text). Each message carries only plain values, so msgpack round-trips it exactly.
+(text). Each message carries plain values or nested frozen dataclasses (the request's
+`SamplingParams`), so msgpack round-trips it exactly; tuples come back as tuples where a field
+is declared as one.
 """
 
 from __future__ import annotations
@@ -13,17 +15,22 @@ from typing import Any
 
 import msgpack
 
+from radixlm.srt.sampling_params import SamplingParams
+
 
 @dataclass(frozen=True)
 class TokenizedGenerateReq:
+    """One sample of one prompt, as the intake (srt/intake.py) validated it: the same message
+    goes over ZeroMQ to the scheduler process and into the in-process Engine's scheduler."""
+
     rid: str
     input_ids: list[int]
-    sampling_params: dict[str, Any]  # validated by SamplingParams.from_dict in the main process
+    sampling_params: SamplingParams  # n == 1: the intake gave each sample its own message and seed
     return_logprob: bool = False
     logprob_start_len: int = -1
     top_logprobs_num: int = 0
     stream: bool = False
-    namespace: str | None = None  # radix-cache namespace (cache salt)
+    cache_salt: str | None = None  # prefixes are shared only between requests with the same salt
 
 
 @dataclass(frozen=True)
@@ -100,11 +107,11 @@ class ReadySignal:
 
 
 _MESSAGE_TYPES = {cls.__name__: cls for cls in (
-    TokenizedGenerateReq, AbortReq, ControlReq, ControlReply, ReqOutput, BatchTokenOut,
+    TokenizedGenerateReq, SamplingParams, AbortReq, ControlReq, ControlReply, ReqOutput, BatchTokenOut,
     ReqTextOutput, BatchTextOut, ReadySignal)}
 # Fields holding nested messages: (message type, is a list of them).
 _NESTED = {("BatchTokenOut", "outputs"): True, ("BatchTextOut", "outputs"): True,
-           ("ReqTextOutput", "output"): False}
+           ("ReqTextOutput", "output"): False, ("TokenizedGenerateReq", "sampling_params"): False}
 
 
 def _to_plain(msg: Any) -> Any:
@@ -125,6 +132,8 @@ def _from_plain(data: list[Any]) -> Any:
         is_list = _NESTED.get((name, f.name))
         if is_list is not None:
             value = [_from_plain(v) for v in value] if is_list else _from_plain(value)
+        elif isinstance(value, list) and str(f.type).startswith("tuple"):
+            value = tuple(value)  # msgpack has one array type; frozen records keep their tuples
         kwargs[f.name] = value
     return cls(**kwargs)
 

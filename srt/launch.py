@@ -114,6 +114,7 @@ def launch_server(args: ServerArgs, served_model_name: str | None = None, log_le
 
     from radixlm.srt.detokenizer.process import run_detokenizer_process
     from radixlm.srt.server.http_server import ServerState, create_app
+    from radixlm.srt.server.openai_api import register_openai_routes
     from radixlm.srt.executor.model_loader import load_model
     from radixlm.srt.scheduler.process import run_scheduler_process
     from radixlm.srt.server.tokenizer_manager import TokenizerManager
@@ -155,11 +156,11 @@ def launch_server(args: ServerArgs, served_model_name: str | None = None, log_le
     ctx.term()
 
     model_name = served_model_name or (args.model_path or "default")
-    tm = TokenizerManager(meta.tokenizer, meta.config, info["context_len"], model_name,
-                          children.addr("scheduler"), children.addr("tokenizer"))
+    tm = TokenizerManager(meta.tokenizer, meta.config, info["context_len"], children.addr("scheduler"),
+                          children.addr("tokenizer"))
     state = ServerState(tm, args.model_path or meta.model_path, dataclasses.asdict(args))
     app = create_app(state, args.api_key)
-    _register_openai(app, tm, model_name)
+    register_openai_routes(app, lambda: tm, model_name)
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=log_level,
                                            timeout_graceful_shutdown=5))
     exit_code = 0
@@ -194,15 +195,6 @@ def launch_server(args: ServerArgs, served_model_name: str | None = None, log_le
         tm.close()
         children.stop()
     return exit_code
-
-
-def _register_openai(app: Any, tm: Any, model_name: str) -> None:
-    try:
-        from radixlm.srt.server.openai_api import register_openai_routes
-    except ImportError:  # pragma: no cover - the OpenAI layer is optional while it is being built
-        logger.warning("OpenAI API routes are not available")
-        return
-    register_openai_routes(app, lambda: tm, model_name)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -11,6 +11,10 @@ from radixlm.srt.constrained.spec import GrammarSpec, check_json_schema, check_s
 
 # At most one of these constrains a request's output.
 CONSTRAINT_FIELDS = ("regex", "json_schema", "ebnf", "choices")
+MAX_N = 64  # samples per prompt in one request
+# Seeds are signed 64-bit (OpenAI's range); sample i of n seeds with seed + i, which stays within
+# what msgpack and torch's manual_seed accept (up to 2**64 - 1).
+_SEED_RANGE = (-2**63, 2**63 - 1)
 
 
 @dataclass(frozen=True)
@@ -80,7 +84,9 @@ class SamplingParams:
         _check(-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", "must be in [-2, 2]")
         _check(0.0 < self.repetition_penalty <= 2.0, "repetition_penalty", "must be in (0, 2]")
         _check(self.min_new_tokens >= 0, "min_new_tokens", "must be >= 0")
-        _check(self.n >= 1, "n", "must be >= 1")
+        _check(1 <= self.n <= MAX_N, "n", f"must be an integer in [1, {MAX_N}]")
+        _check(self.seed is None or _SEED_RANGE[0] <= self.seed <= _SEED_RANGE[1], "seed",
+               "must fit a signed 64-bit integer")
         if vocab_size is not None:
             bad = [t for t in self.stop_token_ids if not 0 <= t < vocab_size]
             _check(not bad, "stop_token_ids", f"ids {bad[:3]} are outside the vocabulary [0, {vocab_size})")
@@ -106,6 +112,11 @@ class SamplingParams:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+    def for_sample(self, index: int) -> "SamplingParams":
+        """Sample `index` of n as its own request: n == 1, and with a seed, seed + index, so that
+        the samples differ while each one reproduces."""
+        return dataclasses.replace(self, n=1, seed=None if self.seed is None else self.seed + index)
 
 
 _INT_FIELDS = {"max_new_tokens", "top_k", "min_new_tokens", "n", "seed"}

@@ -10,10 +10,13 @@ from typing import Any, AsyncIterator
 
 import orjson
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
+from radixlm.srt.intake import Intake
+from radixlm.srt.io_struct import TokenizedGenerateReq
+from radixlm.srt.server.streaming import SSE_DONE, EventStream, sse
 from radixlm.srt.server.tokenize_routes import add_tokenize_routes
-from radixlm.srt.server.tokenizer_manager import GenerateRequest, TokenizerManager, expand_n
+from radixlm.srt.server.tokenizer_manager import TokenizerManager
 
 logger = logging.getLogger(__name__)
 
@@ -21,7 +24,7 @@ MAX_REQUEST_BYTES = 32 * 2**20
 _SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 _OPEN_PATHS = {"/health"}  # reachable without the API key (load balancers probe it)
 _GENERATE_FIELDS = {"text", "input_ids", "sampling_params", "return_logprob", "logprob_start_len",
-                    "top_logprobs_num", "return_text_in_logprobs", "stream", "rid"}
+                    "top_logprobs_num", "return_text_in_logprobs", "stream", "rid", "cache_salt"}
 
 
 class ServerState:
@@ -108,8 +111,8 @@ def create_app(state: ServerState, api_key: str | None) -> FastAPI:
         if not state.healthy:
             return error_response(503, f"unhealthy: {state.unhealthy_reason}")
         try:
-            req = GenerateRequest(input_ids=[0], sampling_params={"max_new_tokens": 1, "temperature": 0})
-            await asyncio.wait_for(state.tm.generate_once(req), timeout=60)
+            probe = state.tm.intake.samples([0], {"max_new_tokens": 1, "temperature": 0})[0]
+            await asyncio.wait_for(state.tm.generate_once(probe), timeout=60)
         except Exception as e:
             return error_response(503, f"generation failed: {e}")
         return Response(status_code=200)
@@ -164,13 +167,14 @@ def create_app(state: ServerState, api_key: str | None) -> FastAPI:
         if isinstance(body, Response):
             return body
         try:
-            reqs, batched = _generate_requests(body, state.tm)
+            msgs, batched = _generate_requests(body, state.tm.intake)
         except ValueError as e:
             return error_response(400, str(e), field_of(str(e)))
+        with_text = bool(body.get("return_text_in_logprobs", False))
         if body.get("stream"):
-            return StreamingResponse(_stream_generate(state.tm, reqs, request), media_type="text/event-stream")
+            return EventStream(_stream_generate(state.tm, msgs, with_text))
         try:
-            results = await _run_until_done_or_disconnect(state.tm, reqs, request)
+            results = await _run_until_done_or_disconnect(state.tm, msgs, with_text, request)
         except ValueError as e:
             return error_response(400, str(e), field_of(str(e)))
         if results is None:
@@ -189,44 +193,27 @@ async def _json_body(request: Request) -> Any:
         return error_response(400, f"body: malformed JSON: {e}")
 
 
-def _generate_requests(body: Any, tm: TokenizerManager) -> tuple[list[GenerateRequest], bool]:
-    """SGLang's /generate body -> one GenerateRequest per prompt and sample; all validated."""
+def _generate_requests(body: Any, intake: Intake) -> tuple[list[TokenizedGenerateReq], bool]:
+    """SGLang's /generate body -> one message per prompt and sample, all validated."""
     if not isinstance(body, dict):
         raise ValueError("body: must be a JSON object")
     unknown = sorted(set(body) - _GENERATE_FIELDS)
     if unknown:
         raise ValueError(f"{unknown[0]}: unknown field")
-    text, input_ids = body.get("text"), body.get("input_ids")
-    batched = isinstance(text, list) or (isinstance(input_ids, list) and bool(input_ids) and isinstance(input_ids[0], list))
-    prompts = (text if text is not None else input_ids) if batched else [text if text is not None else input_ids]
-    if batched and not prompts:
-        raise ValueError("text: a batch must not be empty")
-    params = body.get("sampling_params") or {}
-    params_list = params if isinstance(params, list) else [params] * len(prompts)
-    if len(params_list) != len(prompts) or not all(isinstance(p, dict) for p in params_list):
-        raise ValueError("sampling_params: must be an object, or a list with one object per prompt")
-    rids = body.get("rid")
-    rid_list = rids if isinstance(rids, list) else [rids] * len(prompts)
-    reqs: list[GenerateRequest] = []
-    for prompt, p, rid in zip(prompts, params_list, rid_list):
-        one = GenerateRequest(
-            text=prompt if text is not None else None, input_ids=prompt if text is None else None,
-            sampling_params=p, return_logprob=body.get("return_logprob", False),
-            logprob_start_len=body.get("logprob_start_len", -1) if body.get("logprob_start_len") is not None else -1,
-            top_logprobs_num=body.get("top_logprobs_num", 0) or 0,
-            return_text_in_logprobs=bool(body.get("return_text_in_logprobs", False)),
-            stream=bool(body.get("stream", False)), rid=rid)
-        for sample in expand_n(one):
-            tm.validate(sample)
-            reqs.append(sample)
-    return reqs, batched or len(reqs) > 1
+    batched, groups = intake.batch(
+        body.get("text"), body.get("input_ids"), body.get("sampling_params"), body.get("rid"),
+        return_logprob=body.get("return_logprob", False), logprob_start_len=body.get("logprob_start_len"),
+        top_logprobs_num=body.get("top_logprobs_num"), stream=bool(body.get("stream", False)),
+        cache_salt=body.get("cache_salt"))
+    msgs = [m for group in groups for m in group]
+    return msgs, batched or len(msgs) > 1
 
 
-async def _run_until_done_or_disconnect(tm: TokenizerManager, reqs: list[GenerateRequest],
+async def _run_until_done_or_disconnect(tm: TokenizerManager, msgs: list[TokenizedGenerateReq], with_text: bool,
                                         request: Request) -> list[dict[str, Any]] | None:
     """Runs all requests; if the client disconnects first, aborts them and returns None."""
-    await _share_prompts(tm, reqs)
-    work = asyncio.ensure_future(asyncio.gather(*(tm.generate_once(r) for r in reqs)))
+    await _share_prompts(tm, msgs)
+    work = asyncio.ensure_future(asyncio.gather(*(tm.generate_once(m, with_text) for m in msgs)))
     while not work.done():
         done, _ = await asyncio.wait({work}, timeout=0.5)
         if not done and await request.is_disconnected():
@@ -239,40 +226,42 @@ async def _run_until_done_or_disconnect(tm: TokenizerManager, reqs: list[Generat
     return work.result()
 
 
-async def _share_prompts(tm: TokenizerManager, reqs: list[GenerateRequest]) -> None:
+async def _share_prompts(tm: TokenizerManager, msgs: list[TokenizedGenerateReq]) -> None:
     """Several samples of one prompt: prefill it once so the others hit the radix cache."""
-    groups: dict[Any, list[GenerateRequest]] = {}
-    for r in reqs:
-        groups.setdefault(r.text if r.text is not None else tuple(r.input_ids), []).append(r)
+    groups: dict[Any, list[TokenizedGenerateReq]] = {}
+    for m in msgs:  # the salt is part of the key: a prompt is cached per salt
+        groups.setdefault((m.cache_salt, tuple(m.input_ids)), []).append(m)
     await asyncio.gather(*(tm.cache_prompt(g[0]) for g in groups.values() if len(g) > 1))
 
 
-async def _stream_generate(tm: TokenizerManager, reqs: list[GenerateRequest], request: Request) -> AsyncIterator[bytes]:
+async def _stream_generate(tm: TokenizerManager, msgs: list[TokenizedGenerateReq],
+                           with_text: bool) -> AsyncIterator[bytes]:
     """SSE: `data: {...}` per chunk (with "index" when several requests), then `data: [DONE]`."""
-    await _share_prompts(tm, reqs)
-    queue: asyncio.Queue = asyncio.Queue()
-
-    async def pump(index: int, req: GenerateRequest) -> None:
-        try:
-            async for chunk in tm.generate(req):
-                await queue.put((index, chunk))
-        except ValueError as e:
-            await queue.put((index, {"error": {"message": str(e)}}))
-        finally:
-            await queue.put((index, None))
-
-    tasks = [asyncio.ensure_future(pump(i, r)) for i, r in enumerate(reqs)]
+    tasks: list[asyncio.Future] = []
     try:
+        await _share_prompts(tm, msgs)
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(index: int, msg: TokenizedGenerateReq) -> None:
+            try:
+                async for chunk in tm.generate(msg, with_text):
+                    await queue.put((index, chunk))
+            except ValueError as e:
+                await queue.put((index, {"error": {"message": str(e)}}))
+            finally:
+                await queue.put((index, None))
+
+        tasks = [asyncio.ensure_future(pump(i, m)) for i, m in enumerate(msgs)]
         remaining = len(tasks)
         while remaining:
             index, chunk = await queue.get()
             if chunk is None:
                 remaining -= 1
                 continue
-            if len(reqs) > 1:
+            if len(msgs) > 1:
                 chunk = {**chunk, "index": index}
-            yield b"data: " + orjson.dumps(chunk) + b"\n\n"
-        yield b"data: [DONE]\n\n"
+            yield sse(chunk)
+        yield SSE_DONE
     finally:
         for task in tasks:  # the client left: cancelling closes the generators, which abort
             task.cancel()

@@ -31,7 +31,7 @@ class OpenAIError(Exception):
 
     @classmethod
     def from_value_error(cls, err: ValueError, renames: dict[str, str]) -> "OpenAIError":
-        """A TokenizerManager ValueError ("sampling_params.top_p: must be ...") with the field
+        """An intake ValueError ("sampling_params.top_p: must be ...") with the field
         renamed to the request's own name for it ("top_p", "max_tokens", "prompt")."""
         message = str(err)
         head, sep, rest = message.partition(":")
@@ -105,6 +105,7 @@ class _SamplingBody(_Body):
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    cache_salt: str | None = None  # vLLM's: prefixes are shared only between requests with the same salt
     # SGLang extras.
     top_k: int | None = None
     min_p: float | None = None
@@ -125,7 +126,7 @@ class _SamplingBody(_Body):
         return cls.model_fields[info.field_name].default if value is None else value
 
     def sampling_params(self, max_new_tokens: int) -> dict[str, Any]:
-        """SGLang sampling_params (with n, for expand_n); unset fields keep the server defaults."""
+        """SGLang sampling_params (with n; the intake expands it); unset fields keep the server defaults."""
         if self.logit_bias:
             raise OpenAIError("logit_bias: not supported", "logit_bias")
         params: dict[str, Any] = {"max_new_tokens": max_new_tokens}

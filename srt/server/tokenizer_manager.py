@@ -1,5 +1,6 @@
-"""The main process's side of the runtime: tokenizes, sends requests to the scheduler and
-gathers the detokenizer's text back into per-request results for the HTTP handlers."""
+"""The main process's side of the runtime: sends requests that its `intake` validated and
+tokenized to the scheduler, and gathers the detokenizer's text back into per-request results
+for the HTTP handlers."""
 
 from __future__ import annotations
 
@@ -17,58 +18,46 @@ import zmq
 import zmq.asyncio
 
 from radixlm.srt import io_struct
-from radixlm.srt.server.input_validation import prompt_token_ids
+from radixlm.srt.intake import Intake
 from radixlm.srt.io_struct import (AbortReq, BatchTextOut, ControlReply, ControlReq, ReqTextOutput,
                                    TokenizedGenerateReq)
-from radixlm.srt.executor.logprobs import logprob_meta
-from radixlm.srt.server.metrics import Metrics
+from radixlm.srt.results import LogprobRecord, Progress, result, trim_at_stop
 from radixlm.srt.sampling_params import SamplingParams
+from radixlm.srt.server.metrics import Metrics
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass
-class GenerateRequest:
-    """One prompt and one sample (callers expand batches and n > 1 with `expand_n`)."""
-
-    text: str | None = None
-    input_ids: list[int] | None = None
-    sampling_params: dict[str, Any] = field(default_factory=dict)
-    return_logprob: bool = False
-    logprob_start_len: int = -1
-    top_logprobs_num: int = 0
-    return_text_in_logprobs: bool = False
-    stream: bool = False
-    rid: str | None = None
-
-
-@dataclass
 class _ReqState:
-    rid: str
-    input_ids: list[int]
-    request: GenerateRequest
+    msg: TokenizedGenerateReq
+    text_in_logprobs: bool
     created: float
     text: str = ""
     output_ids: list[int] = field(default_factory=list)
     finish_reason: dict[str, Any] | None = None
-    prompt_tokens: int = 0
     cached_tokens: int = 0
-    input_token_logprobs: list[list[Any]] = field(default_factory=list)
-    input_top_logprobs: list[Any] = field(default_factory=list)
-    output_token_logprobs: list[list[Any]] = field(default_factory=list)
-    output_top_logprobs: list[Any] = field(default_factory=list)
+    logprobs: LogprobRecord = field(default_factory=LogprobRecord)
     first_token_time: float | None = None
     last_token_time: float | None = None
     event: asyncio.Event = field(default_factory=asyncio.Event)
 
+    @property
+    def rid(self) -> str:
+        return self.msg.rid
+
+    @property
+    def prompt_tokens(self) -> int:  # read by Metrics
+        return len(self.msg.input_ids)
+
 
 class TokenizerManager:
-    def __init__(self, tokenizer: Any, model_config: Any, context_len: int, model_path: str,
-                 scheduler_addr: str, recv_addr: str, metrics: Metrics | None = None):
+    def __init__(self, tokenizer: Any, model_config: Any, context_len: int, scheduler_addr: str,
+                 recv_addr: str, metrics: Metrics | None = None):
         self.tokenizer = tokenizer
         self.model_config = model_config
         self.context_len = context_len
-        self.model_path = model_path
+        self.intake = Intake(tokenizer, model_config.vocab_size, context_len)
         self.metrics = metrics or Metrics()
         self._ctx = zmq.asyncio.Context()
         self._send = self._ctx.socket(zmq.PUSH)
@@ -104,64 +93,45 @@ class TokenizerManager:
 
     # ---- generation ----------------------------------------------------------------------------
 
-    def tokenize(self, req: GenerateRequest) -> list[int]:
-        """Validates and tokenizes; raises ValueError naming the field."""
-        return prompt_token_ids(self.tokenizer, req.text, req.input_ids, self.model_config.vocab_size,
-                                self.context_len)
-
-    def validate(self, req: GenerateRequest) -> tuple[list[int], SamplingParams]:
-        ids = self.tokenize(req)
-        sp = SamplingParams.from_dict(req.sampling_params, vocab_size=self.model_config.vocab_size)
-        if not isinstance(req.return_logprob, bool):
-            raise ValueError("return_logprob: must be a boolean")
-        if not isinstance(req.logprob_start_len, int) or req.logprob_start_len < -1:
-            raise ValueError("logprob_start_len: must be an integer >= -1")
-        if not isinstance(req.top_logprobs_num, int) or not 0 <= req.top_logprobs_num <= 64:
-            raise ValueError("top_logprobs_num: must be an integer in [0, 64]")
-        if sp.n != 1:
-            raise ValueError("sampling_params.n: expand n > 1 before calling generate")
-        return ids, sp
-
-    async def generate(self, req: GenerateRequest) -> AsyncIterator[dict[str, Any]]:
+    async def generate(self, msg: TokenizedGenerateReq, text_in_logprobs: bool = False) -> AsyncIterator[dict[str, Any]]:
         """Yields SGLang-shaped results `{"text", "output_ids", "meta_info"}` with the text and
-        ids so far: one final result, or with `stream` one per chunk (the last is finished).
+        ids so far: one final result, or with `msg.stream` one per chunk (the last is finished).
+        `msg` comes from `self.intake`, which validated it.
 
-        Raises ValueError before anything is sent when the input is bad. If the consumer stops
-        iterating before the end (a client went away), the request is aborted in the scheduler.
+        Raises ValueError before anything is sent when the rid is already running. If the
+        consumer stops iterating before the end (a client went away), the request is aborted in
+        the scheduler.
         """
-        ids, sp = self.validate(req)
-        rid = req.rid or uuid.uuid4().hex
-        if rid in self._states:
-            raise ValueError(f"rid: {rid!r} is already running")
-        state = _ReqState(rid=rid, input_ids=ids, request=req, created=time.perf_counter(), prompt_tokens=len(ids))
-        self._states[rid] = state
-        await self._send.send(io_struct.encode(TokenizedGenerateReq(
-            rid=rid, input_ids=ids, sampling_params=sp.to_dict(), return_logprob=req.return_logprob, logprob_start_len=req.logprob_start_len,
-            top_logprobs_num=req.top_logprobs_num, stream=req.stream)))
+        if msg.rid in self._states:
+            raise ValueError(f"rid: {msg.rid!r} is already running")
+        state = _ReqState(msg=msg, text_in_logprobs=text_in_logprobs, created=time.perf_counter())
+        self._states[msg.rid] = state
         try:
+            await self._send.send(io_struct.encode(msg))
             while True:
                 await state.event.wait()
                 state.event.clear()
-                if state.finish_reason is not None or req.stream:
+                if state.finish_reason is not None or msg.stream:
                     yield self._result(state)
                 if state.finish_reason is not None:
                     return
         finally:
-            self._states.pop(rid, None)
+            self._states.pop(msg.rid, None)
             if state.finish_reason is None:
-                await self.abort(rid)
+                await self.abort(msg.rid)
             self.metrics.on_request_end(state)
 
-    async def generate_once(self, req: GenerateRequest) -> dict[str, Any]:
+    async def generate_once(self, msg: TokenizedGenerateReq, text_in_logprobs: bool = False) -> dict[str, Any]:
         result = None
-        async for result in self.generate(dataclasses.replace(req, stream=False)):
+        async for result in self.generate(dataclasses.replace(msg, stream=False), text_in_logprobs):
             pass
         return result
 
-    async def cache_prompt(self, req: GenerateRequest) -> None:
-        """Prefills a prompt without generating, so n samples after it share its KV."""
-        warm = dataclasses.replace(req, sampling_params={"max_new_tokens": 0}, return_logprob=False,
-                                   stream=False, rid=None)
+    async def cache_prompt(self, msg: TokenizedGenerateReq) -> None:
+        """Prefills a prompt without generating, so n samples after it share its KV (under the
+        same cache salt: a salted prompt is cached for that salt only)."""
+        warm = TokenizedGenerateReq(rid=uuid.uuid4().hex, input_ids=msg.input_ids,
+                                    sampling_params=SamplingParams(max_new_tokens=0), cache_salt=msg.cache_salt)
         await self.generate_once(warm)
 
     async def abort(self, rid: str) -> None:
@@ -212,42 +182,20 @@ class TokenizerManager:
         state.text += out.text_delta
         state.output_ids.extend(o.new_token_ids)
         state.cached_tokens = o.cached_tokens
-        state.input_token_logprobs.extend(o.input_token_logprobs or [])
-        state.input_top_logprobs.extend(o.input_top_logprobs or [])
-        state.output_token_logprobs.extend(o.output_token_logprobs or [])
-        state.output_top_logprobs.extend(o.output_top_logprobs or [])
+        record = state.logprobs
+        record.input_token.extend(o.input_token_logprobs or [])
+        record.input_top.extend(o.input_top_logprobs or [])
+        record.output_token.extend(o.output_token_logprobs or [])
+        record.output_top.extend(o.output_top_logprobs or [])
         if o.finish_reason is not None:
             state.finish_reason = o.finish_reason
         state.event.set()
 
     def _result(self, state: _ReqState) -> dict[str, Any]:
-        req = state.request
-        meta: dict[str, Any] = {
-            "id": state.rid,
-            "prompt_tokens": state.prompt_tokens,
-            "completion_tokens": len(state.output_ids),
-            "cached_tokens": state.cached_tokens,
-            "finish_reason": state.finish_reason,
-            "e2e_latency": time.perf_counter() - state.created,
-        }
-        if req.return_logprob:
-            meta.update(logprob_meta(self.tokenizer, req.return_text_in_logprobs, req.top_logprobs_num,
-                                     state.input_token_logprobs, state.input_top_logprobs,
-                                     state.output_token_logprobs, state.output_top_logprobs))
-        return {"text": state.text, "output_ids": list(state.output_ids), "meta_info": meta}
-
-
-def expand_n(req: GenerateRequest) -> list[GenerateRequest]:
-    """n > 1 as n single-sample requests; with a seed, sample i gets seed + i (else all equal)."""
-    params = dict(req.sampling_params or {})
-    n = params.pop("n", 1)
-    if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= 64:
-        raise ValueError("sampling_params.n: must be an integer in [1, 64]")
-    out = []
-    for i in range(n):
-        p = dict(params)
-        if n > 1 and p.get("seed") is not None:
-            p["seed"] = p["seed"] + i
-        rid = None if req.rid is None else (req.rid if n == 1 else f"{req.rid}-{i}")
-        out.append(dataclasses.replace(req, sampling_params=p, rid=rid))
-    return out
+        text = state.text
+        if state.finish_reason is not None and not state.msg.stream:
+            text = trim_at_stop(text, state.msg.sampling_params, state.finish_reason)
+        progress = Progress(text=text, output_ids=state.output_ids, cached_tokens=state.cached_tokens,
+                            finish_reason=state.finish_reason, e2e_latency=time.perf_counter() - state.created,
+                            logprobs=state.logprobs)
+        return result(state.msg, progress, self.tokenizer, state.text_in_logprobs)

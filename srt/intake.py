@@ -1,0 +1,124 @@
+"""Request intake: the one place where a request from any front door (native /generate, the
+OpenAI routes, the in-process Engine) is validated and normalised into scheduler messages.
+
+Every check raises a ValueError whose message starts with the field it is about
+("sampling_params.top_p: ...", "cache_salt: ..."); the HTTP layers turn that into a 400 naming
+the field, the Engine lets it propagate. Nothing is sent before the whole request validated.
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+from radixlm.srt.io_struct import TokenizedGenerateReq
+from radixlm.srt.sampling_params import SamplingParams
+
+MAX_TOP_LOGPROBS = 64  # top-k alternatives per token; each costs a top-k over the vocabulary
+
+
+def prompt_token_ids(tokenizer: Any, text: Any, input_ids: Any, vocab_size: int, context_len: int,
+                     text_field: str = "text", ids_field: str = "input_ids") -> list[int]:
+    """Token ids for exactly one of `text` / `input_ids`, checked against vocab and context."""
+    if (text is None) == (input_ids is None):
+        raise ValueError(f"{text_field}: give exactly one of {text_field} or {ids_field}")
+    if text is not None:
+        if not isinstance(text, str):
+            raise ValueError(f"{text_field}: must be a string")
+        if not text:
+            raise ValueError(f"{text_field}: must not be empty")
+        ids, field = tokenizer.encode(text, add_special_tokens=False), text_field
+    else:
+        ids, field = input_ids, ids_field
+        if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+            raise ValueError(f"{field}: must be a list of token ids")
+    if not ids:
+        raise ValueError(f"{field}: must not be empty")
+    bad = [t for t in ids if not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(f"{field}: token ids {bad[:3]} are outside the vocabulary [0, {vocab_size})")
+    if len(ids) >= context_len:
+        raise ValueError(f"{field}: {len(ids)} tokens do not fit the context length {context_len}")
+    return list(ids)
+
+
+def check_logprob_options(return_logprob: Any, logprob_start_len: Any, top_logprobs_num: Any) -> tuple[bool, int, int]:
+    """(return_logprob, logprob_start_len, top_logprobs_num) with None read as the default."""
+    start = -1 if logprob_start_len is None else logprob_start_len
+    top = 0 if top_logprobs_num is None else top_logprobs_num
+    if not isinstance(return_logprob, bool):
+        raise ValueError("return_logprob: must be a boolean")
+    if not _is_int(start) or start < -1:
+        raise ValueError("logprob_start_len: must be an integer >= -1")
+    if not _is_int(top) or not 0 <= top <= MAX_TOP_LOGPROBS:
+        raise ValueError(f"top_logprobs_num: must be an integer in [0, {MAX_TOP_LOGPROBS}]")
+    return return_logprob, start, top
+
+
+def check_cache_salt(cache_salt: Any) -> str | None:
+    if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
+        raise ValueError("cache_salt: must be a non-empty string")
+    return cache_salt
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+class Intake:
+    """Validates requests against one model (its tokenizer, vocabulary and context length)."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int, context_len: int):
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.context_len = context_len
+
+    def prompt_ids(self, text: Any = None, input_ids: Any = None, *, text_field: str = "text",
+                   ids_field: str = "input_ids") -> list[int]:
+        return prompt_token_ids(self.tokenizer, text, input_ids, self.vocab_size, self.context_len,
+                                text_field, ids_field)
+
+    def samples(self, input_ids: list[int], sampling_params: dict[str, Any] | None, *, rid: Any = None,
+                return_logprob: Any = False, logprob_start_len: Any = None, top_logprobs_num: Any = None,
+                stream: bool = False, cache_salt: Any = None) -> list[TokenizedGenerateReq]:
+        """One message per sample of one tokenized prompt. With n > 1, sample i gets seed + i and
+        rid "{rid}-{i}"; without a rid each sample gets a fresh one."""
+        sp = SamplingParams.from_dict(sampling_params, vocab_size=self.vocab_size)
+        logprob = check_logprob_options(return_logprob, logprob_start_len, top_logprobs_num)
+        salt = check_cache_salt(cache_salt)
+        if rid is not None and not isinstance(rid, str):
+            raise ValueError("rid: must be a string")
+        out = []
+        for i in range(sp.n):
+            sample_rid = uuid.uuid4().hex if rid is None else (rid if sp.n == 1 else f"{rid}-{i}")
+            out.append(TokenizedGenerateReq(
+                rid=sample_rid, input_ids=input_ids, sampling_params=sp.for_sample(i), return_logprob=logprob[0],
+                logprob_start_len=logprob[1], top_logprobs_num=logprob[2], stream=stream, cache_salt=salt))
+        return out
+
+    def batch(self, text: Any, input_ids: Any, sampling_params: Any, rid: Any = None, *,
+              text_field: str = "text", **options: Any) -> tuple[bool, list[list[TokenizedGenerateReq]]]:
+        """SGLang's request shape: one prompt (text or ids) or a list of them, with
+        `sampling_params` and `rid` given once for all prompts or as a list with one per prompt.
+        Returns whether the input was a batch, and each prompt's samples in prompt order;
+        `options` go to `samples` for every prompt."""
+        if text is not None and input_ids is not None:
+            raise ValueError(f"{text_field}: give exactly one of {text_field} or input_ids")
+        batched = isinstance(text, list) or (
+            isinstance(input_ids, list) and bool(input_ids) and isinstance(input_ids[0], list))
+        given = text if text is not None else input_ids
+        prompts = given if batched else [given]
+        if not prompts:
+            raise ValueError(f"{text_field}: a batch must not be empty")
+        params_list = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
+        if len(params_list) != len(prompts) or not all(p is None or isinstance(p, dict) for p in params_list):
+            raise ValueError("sampling_params: must be an object, or a list with one object per prompt")
+        rids = rid if isinstance(rid, list) else [rid] * len(prompts)
+        if len(rids) != len(prompts):
+            raise ValueError("rid: a list must have one entry per prompt")
+        groups = []
+        for prompt, params, one_rid in zip(prompts, params_list, rids):
+            ids = self.prompt_ids(prompt if text is not None else None, prompt if text is None else None,
+                                  text_field=text_field)
+            groups.append(self.samples(ids, params, rid=one_rid, **options))
+        return batched, groups
