@@ -53,10 +53,6 @@ class TreeNode:
         self.evicted = False
         self.namespace = namespace  # meaningful on roots only
 
-    @property
-    def is_root(self) -> bool:
-        return self.parent is None and not self.evicted
-
     def __repr__(self) -> str:
         head = self.key[:4]
         more = "..." if len(self.key) > 4 else ""

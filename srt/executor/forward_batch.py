@@ -1,4 +1,5 @@
-"""What one model forward needs to know about its batch, prepared by the model runner."""
+"""What one model forward needs to know about its batch: built by batch_builder.py
+(build_extend_batch / build_decode_batch), read by the model runner and the attention backends."""
 
 from __future__ import annotations
 
