@@ -13,14 +13,13 @@ from radixlm.ir import (assistant, assistant_begin, assistant_end, gen, gen_int,
 from radixlm.openai_backend import OpenAI
 from radixlm.runtime import Runtime
 from radixlm.runtime_endpoint import RuntimeEndpoint
-from radixlm.sampling import SamplingParams
 from radixlm.state import ProgramState, ProgramStateGroup
 
 __version__ = "0.1.0"
 
 __all__ = [
     "Backend", "BackendError", "ChoiceDecision", "ChoicesMethod", "OpenAI", "ProgramState", "ProgramStateGroup",
-    "Runtime", "RuntimeEndpoint", "SamplingParams", "SglFunction", "assistant", "assistant_begin", "assistant_end",
+    "Runtime", "RuntimeEndpoint", "SglFunction", "assistant", "assistant_begin", "assistant_end",
     "flush_cache", "function", "gen", "gen_int", "gen_string", "get_server_info", "greedy_token_selection",
     "select", "set_default_backend", "system", "system_begin", "system_end", "token_length_normalized",
     "unconditional_likelihood_normalized", "user", "user_begin", "user_end", "__version__",

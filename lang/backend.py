@@ -14,7 +14,7 @@ from typing import Any, Iterator
 
 from radixlm.chat_template import ChatRenderer
 from radixlm.choices import ChoiceDecision, ChoicesMethod
-from radixlm.sampling import SamplingParams
+from radixlm.sampling import SglSamplingParams
 
 
 class BackendError(RuntimeError):
@@ -39,10 +39,10 @@ class Backend(ABC):
     """`generate`, `generate_stream`, `select`, `cache_prefix`, `get_chat_template`, `flush_cache`."""
 
     @abstractmethod
-    def generate(self, prompt: Prompt, params: SamplingParams) -> Generation: ...
+    def generate(self, prompt: Prompt, params: SglSamplingParams) -> Generation: ...
 
     @abstractmethod
-    def generate_stream(self, prompt: Prompt, params: SamplingParams) -> Iterator[tuple[str, dict[str, Any]]]:
+    def generate_stream(self, prompt: Prompt, params: SglSamplingParams) -> Iterator[tuple[str, dict[str, Any]]]:
         """Yields (new text, meta_info so far) until the generation ends."""
 
     @abstractmethod

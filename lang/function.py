@@ -12,7 +12,7 @@ from typing import Any, Callable, Iterator
 
 from radixlm.backend import Backend, get_default_backend, resolve_backend
 from radixlm.interpreter import StreamExecutor
-from radixlm.sampling import SamplingParams
+from radixlm.sampling import SglSamplingParams
 from radixlm.state import ProgramState
 from radixlm.tracer import TraceResult, trace_program
 
@@ -61,7 +61,7 @@ class SglFunction:
         if not isinstance(batch_kwargs, (list, tuple)):
             raise TypeError("run_batch: batch_kwargs must be a list of dicts of arguments")
         items = [self._batch_item(i, item) for i, item in enumerate(batch_kwargs)]
-        defaults = SamplingParams.from_kwargs(sampling, "run_batch")
+        defaults = SglSamplingParams.from_kwargs(sampling, "run_batch")
         chosen = resolve_backend(backend)
         if len(items) > 1:
             self.cache(chosen)
@@ -93,10 +93,10 @@ class SglFunction:
     def __call__(self, *args: Any, **kwargs: Any) -> ProgramState:
         return self.run(*args, **kwargs)
 
-    def _split_kwargs(self, kwargs: dict[str, Any], where: str) -> tuple[dict[str, Any], SamplingParams]:
+    def _split_kwargs(self, kwargs: dict[str, Any], where: str) -> tuple[dict[str, Any], SglSamplingParams]:
         program = {k: v for k, v in kwargs.items() if k in self.arg_names}
         sampling = {k: v for k, v in kwargs.items() if k not in self.arg_names}
-        return program, SamplingParams.from_kwargs(sampling, f"{self.__name__}.{where}")
+        return program, SglSamplingParams.from_kwargs(sampling, f"{self.__name__}.{where}")
 
     def _batch_item(self, index: int, item: Any) -> dict[str, Any]:
         if isinstance(item, (list, tuple)):  # positional arguments
@@ -120,7 +120,7 @@ def function(func: Callable[..., Any] | None = None, **_ignored: Any) -> Any:
 
 
 def run_program(program: SglFunction, backend: Backend, args: tuple[Any, ...], kwargs: dict[str, Any],
-                defaults: SamplingParams, stream: bool) -> ProgramState:
+                defaults: SglSamplingParams, stream: bool) -> ProgramState:
     """Runs the program function on a fresh state. Never raises for the program's own failures:
     they are recorded in the state (`state.error()`)."""
     executor = StreamExecutor(_endpoint_of(backend), defaults, stream)
@@ -162,7 +162,7 @@ class _BatchRunner:
     """Runs items on a thread pool, keeping a bounded window in flight, yielding in input order."""
 
     def __init__(self, program: SglFunction, backend: Backend, items: list[dict[str, Any]],
-                 defaults: SamplingParams, threads: int, progress_bar: bool):
+                 defaults: SglSamplingParams, threads: int, progress_bar: bool):
         self._program, self._backend, self._items = program, backend, items
         self._defaults, self._threads, self._progress_bar = defaults, threads, progress_bar
 

@@ -17,13 +17,13 @@ from radixlm.backend import Backend, BackendError, Prompt
 from radixlm.chat_template import ChatRenderer
 from radixlm.ir import (CommitPrefix, Constant, Expr, ExprList, Gen, RoleBegin, RoleEnd, Select,
                         VarScopeBegin, VarScopeEnd, names_in)
-from radixlm.sampling import SamplingParams
+from radixlm.sampling import SglSamplingParams
 
 _END = object()  # the worker's stop signal
 
 
 class StreamExecutor:
-    def __init__(self, backend: Backend, defaults: SamplingParams, stream: bool = False,
+    def __init__(self, backend: Backend, defaults: SglSamplingParams, stream: bool = False,
                  chat: ChatRenderer | None = None, threaded: bool = True):
         self.backend = backend
         self.defaults = defaults
@@ -249,7 +249,7 @@ class StreamExecutor:
             meta = result.meta_infos[0] if one and result.meta_infos else result.meta_infos
         self._set(expr.name, value, meta)
 
-    def _gen_streaming(self, name: str | None, params: SamplingParams) -> tuple[str, Any]:
+    def _gen_streaming(self, name: str | None, params: SglSamplingParams) -> tuple[str, Any]:
         value, meta = "", None
         if name is not None:
             with self._cond:

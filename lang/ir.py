@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Any, Union
 
 from radixlm.choices import ChoicesMethod, token_length_normalized
-from radixlm.sampling import SamplingParams
+from radixlm.sampling import SglSamplingParams
 
 
 class Expr:
@@ -36,7 +36,7 @@ class ExprList(Expr):
 @dataclass(eq=False)
 class Gen(Expr):
     name: str | None
-    params: SamplingParams
+    params: SglSamplingParams
 
 
 @dataclass(eq=False)
@@ -117,17 +117,18 @@ def gen(name: str | None = None, max_tokens: int | None = None, *, choices: list
                       choices_method or token_length_normalized)
     if choices_method is not None:
         raise TypeError("gen(choices_method=...) needs choices=[...]")
-    return Gen(name, SamplingParams.from_kwargs({"max_new_tokens": max_tokens, **params}, "gen"))
+    return Gen(name, SglSamplingParams.from_kwargs({"max_new_tokens": max_tokens, **params}, "gen"))
 
 
 def gen_int(name: str | None = None, max_tokens: int | None = None, **params: Any) -> Expr:
     """An integer, as text (the runtime constrains the output to digits)."""
-    return Gen(name, SamplingParams.from_kwargs({"max_new_tokens": max_tokens, **params, "dtype": int}, "gen_int"))
+    return Gen(name, SglSamplingParams.from_kwargs({"max_new_tokens": max_tokens, **params, "dtype": int}, "gen_int"))
 
 
 def gen_string(name: str | None = None, max_tokens: int | None = None, **params: Any) -> Expr:
     """A double-quoted string, quotes included (the runtime constrains the output)."""
-    return Gen(name, SamplingParams.from_kwargs({"max_new_tokens": max_tokens, **params, "dtype": str}, "gen_string"))
+    params = {"max_new_tokens": max_tokens, **params, "dtype": str}
+    return Gen(name, SglSamplingParams.from_kwargs(params, "gen_string"))
 
 
 def select(name: str | None = None, choices: list[str] | None = None, temperature: float = 0.0,

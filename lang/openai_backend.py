@@ -19,7 +19,7 @@ from radixlm.backend import Backend, BackendError, Generation, Prompt
 from radixlm.chat_template import ChatRenderer
 from radixlm.choices import ChoiceDecision, ChoicesMethod, TokenLogprobs
 from radixlm.http_client import DEFAULT_TIMEOUT_S, HttpClient
-from radixlm.sampling import SamplingParams
+from radixlm.sampling import SglSamplingParams
 from radixlm.tokenizer import load_client_tokenizer
 
 _OPENAI_NAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens"}
@@ -51,7 +51,7 @@ class OpenAI(Backend):
     def _chat_mode(self, prompt: Prompt) -> bool:
         return self.is_chat_model and prompt.role == "assistant" and not prompt.role_content and bool(prompt.messages)
 
-    def _request(self, prompt: Prompt, params: SamplingParams, stream: bool) -> tuple[str, dict[str, Any]]:
+    def _request(self, prompt: Prompt, params: SglSamplingParams, stream: bool) -> tuple[str, dict[str, Any]]:
         body: dict[str, Any] = {"model": self.model, **_openai_params(params)}
         if stream:
             body["stream"] = True
@@ -69,7 +69,7 @@ class OpenAI(Backend):
             body["logprobs"] = params.top_logprobs_num or 0
         return "/completions", {**body, "prompt": prompt.text}
 
-    def generate(self, prompt: Prompt, params: SamplingParams) -> Generation:
+    def generate(self, prompt: Prompt, params: SglSamplingParams) -> Generation:
         path, body = self._request(prompt, params, stream=False)
         out = self._http.post(path, body)
         choices = sorted(out.get("choices", []), key=lambda c: c.get("index", 0))
@@ -80,7 +80,7 @@ class OpenAI(Backend):
         metas = [_meta(out, c, usage) for c in choices]
         return Generation(texts, metas)
 
-    def generate_stream(self, prompt: Prompt, params: SamplingParams) -> Iterator[tuple[str, dict[str, Any]]]:
+    def generate_stream(self, prompt: Prompt, params: SglSamplingParams) -> Iterator[tuple[str, dict[str, Any]]]:
         path, body = self._request(prompt, params, stream=True)
         meta: dict[str, Any] = {}
         for event in self._http.post_sse(path, body):
@@ -142,7 +142,7 @@ def _choice_text(choice: dict[str, Any]) -> str:
     return choice.get("text") or ""
 
 
-def _openai_params(params: SamplingParams) -> dict[str, Any]:
+def _openai_params(params: SglSamplingParams) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for name, value in params.wire_sampling().items():
         if name in _OPENAI_NAMES:

@@ -29,7 +29,7 @@ from radixlm.backend import Backend, Generation, Prompt
 from radixlm.chat_template import ChatRenderer
 from radixlm.choices import ChoiceDecision, ChoicesMethod
 from radixlm.runtime_endpoint import RuntimeEndpoint
-from radixlm.sampling import SamplingParams
+from radixlm.sampling import SglSamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -110,10 +110,10 @@ class Runtime(Backend):
 
     # ---- the backend interface, delegated -------------------------------------------------
 
-    def generate(self, prompt: Prompt, params: SamplingParams) -> Generation:
+    def generate(self, prompt: Prompt, params: SglSamplingParams) -> Generation:
         return self.endpoint.generate(prompt, params)
 
-    def generate_stream(self, prompt: Prompt, params: SamplingParams) -> Iterator[tuple[str, dict[str, Any]]]:
+    def generate_stream(self, prompt: Prompt, params: SglSamplingParams) -> Iterator[tuple[str, dict[str, Any]]]:
         return self.endpoint.generate_stream(prompt, params)
 
     def select(self, prompt: Prompt, choices: list[str], temperature: float, method: ChoicesMethod) -> ChoiceDecision:

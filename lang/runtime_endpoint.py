@@ -28,7 +28,7 @@ from radixlm.backend import Backend, BackendError, Generation, Prompt
 from radixlm.chat_template import ChatRenderer
 from radixlm.choices import ChoiceDecision, ChoicesMethod, TokenLogprobs
 from radixlm.http_client import DEFAULT_TIMEOUT_S, HttpClient, HttpStatusError
-from radixlm.sampling import SamplingParams
+from radixlm.sampling import SglSamplingParams
 from radixlm.tokenizer import ClientTokenizer, load_client_tokenizer, render_chat_template
 
 logger = logging.getLogger(__name__)
@@ -114,12 +114,12 @@ class RuntimeEndpoint(Backend):
 
     # ---- generation ------------------------------------------------------------------------
 
-    def generate(self, prompt: Prompt, params: SamplingParams) -> Generation:
+    def generate(self, prompt: Prompt, params: SglSamplingParams) -> Generation:
         out = self._http.post("/generate", self._body(prompt, params))
         results = out if isinstance(out, list) else [out]
         return Generation([r["text"] for r in results], [r["meta_info"] for r in results])
 
-    def generate_stream(self, prompt: Prompt, params: SamplingParams) -> Iterator[tuple[str, dict[str, Any]]]:
+    def generate_stream(self, prompt: Prompt, params: SglSamplingParams) -> Iterator[tuple[str, dict[str, Any]]]:
         sent = 0
         for event in self._http.post_sse("/generate", {**self._body(prompt, params), "stream": True}):
             text = event.get("text", "")
@@ -127,7 +127,7 @@ class RuntimeEndpoint(Backend):
             sent = len(text)
 
     @staticmethod
-    def _body(prompt: Prompt, params: SamplingParams) -> dict[str, Any]:
+    def _body(prompt: Prompt, params: SglSamplingParams) -> dict[str, Any]:
         return {"text": prompt.text, "sampling_params": params.wire_sampling(), **params.wire_logprob()}
 
     # ---- select ----------------------------------------------------------------------------

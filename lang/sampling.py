@@ -1,8 +1,11 @@
-"""The language's sampling parameters: one type for `gen(...)`, `run(...)` and the wire.
+"""The language's sampling parameters (SglSamplingParams, named as in SGLang's frontend): one
+type for `gen(...)`, `run(...)` and the wire.
 
 Every field defaults to None, meaning "not set here": a gen's values override the run's, and
-whatever neither sets is left to the server's own defaults. Keyword names are the server's
-(`max_new_tokens`, ...) plus SGLang frontend aliases (`max_tokens`, `min_tokens`).
+whatever neither sets is left to the server's own defaults. (The runtime's own
+radixlm.srt.sampling_params.SamplingParams is the other side: validated values, every field
+holding its default.) Keyword names are the server's (`max_new_tokens`, ...) plus SGLang
+frontend aliases (`max_tokens`, `min_tokens`).
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ _DTYPE_REGEX = {
 
 
 @dataclass(frozen=True)
-class SamplingParams:
+class SglSamplingParams:
     max_new_tokens: int | None = None
     min_new_tokens: int | None = None
     n: int | None = None
@@ -56,7 +59,7 @@ class SamplingParams:
     json_schema: str | dict | None = None
 
     @classmethod
-    def from_kwargs(cls, kwargs: dict[str, Any], where: str) -> "SamplingParams":
+    def from_kwargs(cls, kwargs: dict[str, Any], where: str) -> "SglSamplingParams":
         """Builds from keyword arguments; an unknown keyword is a TypeError naming it, as Python
         gives for a bad keyword (`where` is the callable's name, for the message)."""
         values: dict[str, Any] = {}
@@ -70,11 +73,7 @@ class SamplingParams:
                 values[name] = _freeze(value)
         return cls(**values)
 
-    @staticmethod
-    def is_field(key: str) -> bool:
-        return ALIASES.get(key, key) in _FIELD_NAMES
-
-    def merged(self, override: "SamplingParams") -> "SamplingParams":
+    def merged(self, override: "SglSamplingParams") -> "SglSamplingParams":
         """These values with every field that `override` sets replaced by its value."""
         changes = {f: v for f in _FIELD_NAMES if (v := getattr(override, f)) is not None}
         return dataclasses.replace(self, **changes)
@@ -120,8 +119,8 @@ def dtype_regex(dtype: type | str | None) -> str | None:
 
 
 def _freeze(value: Any) -> Any:
-    # Lists become tuples so that a frozen SamplingParams stays hashable and unshared.
+    # Lists become tuples so that a frozen SglSamplingParams stays hashable and unshared.
     return tuple(value) if isinstance(value, list) else value
 
 
-_FIELD_NAMES = tuple(f.name for f in dataclasses.fields(SamplingParams))
+_FIELD_NAMES = tuple(f.name for f in dataclasses.fields(SglSamplingParams))

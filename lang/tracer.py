@@ -17,7 +17,7 @@ from radixlm.backend import Backend, Generation, Prompt
 from radixlm.chat_template import ChatRenderer
 from radixlm.choices import ChoiceDecision, ChoicesMethod
 from radixlm.interpreter import StreamExecutor
-from radixlm.sampling import SamplingParams
+from radixlm.sampling import SglSamplingParams
 from radixlm.state import ProgramState
 
 logger = logging.getLogger(__name__)
@@ -55,10 +55,10 @@ class _TracingBackend(Backend):
     def __init__(self, real: Backend | None):
         self._real = real
 
-    def generate(self, prompt: Prompt, params: SamplingParams) -> Generation:
+    def generate(self, prompt: Prompt, params: SglSamplingParams) -> Generation:
         raise _StopTrace("gen")
 
-    def generate_stream(self, prompt: Prompt, params: SamplingParams) -> Iterator[tuple[str, dict[str, Any]]]:
+    def generate_stream(self, prompt: Prompt, params: SglSamplingParams) -> Iterator[tuple[str, dict[str, Any]]]:
         raise _StopTrace("gen")
 
     def select(self, prompt: Prompt, choices: list[str], temperature: float, method: ChoicesMethod) -> ChoiceDecision:
@@ -81,7 +81,7 @@ class TraceResult:
 
 
 def trace_program(func: Callable[..., Any], backend: Backend | None, bound: dict[str, Any]) -> TraceResult:
-    executor = StreamExecutor(_TracingBackend(backend), SamplingParams(), threaded=False)
+    executor = StreamExecutor(_TracingBackend(backend), SglSamplingParams(), threaded=False)
     state = ProgramState(executor)
     names = list(inspect.signature(func).parameters)[1:]
     kwargs = {n: bound[n] if n in bound else Placeholder(n) for n in names}

@@ -16,7 +16,7 @@ import radixlm as sgl
 from radixlm.backend import Backend, BackendError, Generation, Prompt
 from radixlm.chat_template import ChatRenderer
 from radixlm.choices import ChoiceDecision
-from radixlm.sampling import SamplingParams
+from radixlm.sampling import SglSamplingParams
 
 
 def chatml(messages: list[dict[str, Any]], add_generation_prompt: bool) -> str:
@@ -37,7 +37,7 @@ class ScriptedBackend(Backend):
         with self.lock:
             self.calls.append((kind, value))
 
-    def generate(self, prompt: Prompt, params: SamplingParams) -> Generation:
+    def generate(self, prompt: Prompt, params: SglSamplingParams) -> Generation:
         self._record("generate", (prompt, params))
         time.sleep(self.delay)
         text = self.reply(prompt, params)
@@ -46,7 +46,7 @@ class ScriptedBackend(Backend):
         n = params.n or 1
         return Generation([text] * n, [{"prompt_tokens": len(prompt.text)}] * n)
 
-    def generate_stream(self, prompt: Prompt, params: SamplingParams) -> Iterator[tuple[str, dict[str, Any]]]:
+    def generate_stream(self, prompt: Prompt, params: SglSamplingParams) -> Iterator[tuple[str, dict[str, Any]]]:
         self._record("stream", (prompt, params))
         text = self.reply(prompt, params)
         if isinstance(text, Exception):
@@ -74,6 +74,14 @@ def test_import_is_cheap_and_exports_sglang_names():
                  "user_end", "assistant_begin", "assistant_end", "system_begin", "system_end",
                  "set_default_backend", "Runtime", "RuntimeEndpoint", "OpenAI", "flush_cache", "__version__"]:
         assert hasattr(sgl, name), name
+
+
+def test_sampling_params_keep_sglang_frontend_names():
+    """The language's parameters are SglSamplingParams (sglang.lang.ir's name); like SGLang's
+    frontend, the package exports no SamplingParams (that is the runtime's, other defaults)."""
+    from radixlm.ir import SglSamplingParams
+
+    assert SglSamplingParams().max_new_tokens is None and not hasattr(sgl, "SamplingParams")
 
 
 def test_gen_values_override_run_values_and_unset_fields_stay_unset():
@@ -278,7 +286,7 @@ def test_constraints_travel_as_the_native_api_fields():
 
 
 def test_run_batch_keeps_order_and_isolates_failures():
-    def reply(prompt: Prompt, params: SamplingParams) -> Any:
+    def reply(prompt: Prompt, params: SglSamplingParams) -> Any:
         return BackendError("bad") if "3" in prompt.text else prompt.text[-1]
 
     backend = ScriptedBackend(reply, delay=0.05)
