@@ -1,0 +1,1 @@
+"""Tool calling and reasoning output on the OpenAI routes."""
