@@ -4,6 +4,7 @@ sampled at temperature 1.0 (so the constraint, not the model, keeps it valid).""
 from __future__ import annotations
 
 import json
+import time
 
 import jsonschema
 import pytest
@@ -173,3 +174,18 @@ def test_retraction_keeps_the_grammar_state(engine):
     text = engine.tokenizer.decode(req.output_ids, skip_special_tokens=True)
     jsonschema.validate(json.loads(text), schema)
     assert sched.kv_stats()["leaked"] == 0
+
+
+def test_a_backtracking_stop_regex_fails_alone_and_fast(engine):
+    """"(a|aa)+b" over a run of a's backtracks exponentially: matching runs on the output's
+    tail within a time budget, so the loop never freezes and only that request fails."""
+    solo = engine.generate("The capital of France is", {"temperature": 0, "max_new_tokens": 8})
+    start = time.perf_counter()
+    outs = engine.generate(["hi", "The capital of France is"],
+                           [{"regex": "a{36}", "stop_regex": ["(a|aa)+b"], "max_new_tokens": 40},
+                            {"temperature": 0, "max_new_tokens": 8}])
+    assert time.perf_counter() - start < 60  # it used to take minutes, stalling everyone
+    reason = outs[0]["meta_info"]["finish_reason"]
+    assert reason["type"] == "abort" and "stop_regex" in reason["message"]
+    assert outs[1]["text"] == solo["text"]
+    assert engine.scheduler.kv_stats()["leaked"] == 0

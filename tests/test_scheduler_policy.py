@@ -243,3 +243,21 @@ def test_many_requests_with_pages_leak_nothing(page_size):
     run_to_end(sched)
     assert all(r.output_ids == expected_output(r) for r in reqs)
     assert_no_leak(sched)
+
+
+def test_a_huge_max_new_tokens_does_not_starve_the_queue():
+    """Admission keeps room for running requests' decoding, but never more than the context
+    length allows: a request asking for 10^9 tokens must not hold everyone else back."""
+    sched = make_scheduler(max_total_tokens=2048, context_length=1024)
+    greedy = make_req("greedy", 8, max_new_tokens=10**9)
+    sched.add_request(greedy)
+    sched.step()
+    small = make_req("small", 8, max_new_tokens=4, first_token=40)
+    sched.add_request(small)
+    for _ in range(20):
+        sched.step()
+    assert small.finished and small.output_ids == expected_output(small)
+    assert not greedy.finished
+    sched.abort("greedy")
+    run_to_end(sched)
+    assert_no_leak(sched)

@@ -117,7 +117,11 @@ class BatchPlanner:
     def _decode_reserve(self, parts: list[ExtendPlan]) -> int:
         """KV to keep free for the tokens that running (and just admitted) requests will decode."""
         reqs = self.sched.running + [p.req for p in parts]
-        remaining = sum(max(0, r.sampling_params.max_new_tokens - len(r.output_ids)) for r in reqs)
+        # A request ends at the context length whatever its max_new_tokens: one asking for 10^9
+        # tokens must not reserve the whole pool and starve the queue.
+        room = self.sched.context_len
+        remaining = sum(max(0, min(r.sampling_params.max_new_tokens - len(r.output_ids), room - r.seq_len))
+                        for r in reqs)
         return int(remaining * self.new_token_ratio) + len(reqs) * self.args.page_size
 
     def _ordered_waiting(self) -> list[Req]:

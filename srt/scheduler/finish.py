@@ -10,6 +10,10 @@ from radixlm.srt.scheduler.request import FinishReason, Req
 
 # Extra tokens decoded beyond a stop string's length, so a string split across tokens is seen.
 _STOP_WINDOW_SLACK = 4
+# A stop regex is matched on the output's tail, within a time budget: a user's pattern can
+# backtrack exponentially ("(a|aa)+b" on "aaaa..."), and the scheduler loop must not freeze on it.
+STOP_REGEX_TAIL_TOKENS = 512
+STOP_REGEX_TIMEOUT_S = 0.05
 
 
 def check_finished(req: Req, eos_ids: Sequence[int], context_len: int, tokenizer: Any) -> FinishReason | None:
@@ -29,9 +33,13 @@ def check_finished(req: Req, eos_ids: Sequence[int], context_len: int, tokenizer
                 if stop in tail:
                     return FinishReason("stop", matched=stop)
         if sp.stop_regex:
-            text = tokenizer.decode(req.output_ids, skip_special_tokens=sp.skip_special_tokens)
+            text = tokenizer.decode(req.output_ids[-STOP_REGEX_TAIL_TOKENS:], skip_special_tokens=sp.skip_special_tokens)
             for pattern in sp.stop_regex:
-                found = regex.search(pattern, text)
+                try:
+                    found = regex.search(pattern, text, timeout=STOP_REGEX_TIMEOUT_S)
+                except TimeoutError:
+                    return FinishReason("abort", message=f"stop_regex: matching {pattern!r} took longer than "
+                                                         f"{STOP_REGEX_TIMEOUT_S * 1000:.0f} ms; simplify the pattern")
                 if found:
                     return FinishReason("stop", matched=found.group(0))
     if num_out >= sp.max_new_tokens:
