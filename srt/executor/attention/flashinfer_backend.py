@@ -307,7 +307,7 @@ class FlashInferBackend(AttentionBackend):
             backend=_BACKEND)
 
     def _make_graph_cascade(self, batch_size: int, own_indices: torch.Tensor,
-                           prefix_indices: torch.Tensor) -> GraphCascade:
+                            prefix_indices: torch.Tensor) -> GraphCascade:
         """Level-2 (decode) and level-1 (prefill, non-causal) wrappers with fixed buffers for a
         cascade decode graph of `batch_size` rows."""
         def zeros(n: int, dtype=torch.int32) -> torch.Tensor:
@@ -334,7 +334,7 @@ class FlashInferBackend(AttentionBackend):
         return ctas * 128 * self.num_heads * (self.head_dim + 1) * 4 + (32 << 20)
 
     def _plan_graph_cascade(self, graph: GraphCascade, batch: ForwardBatch | None, padded_size: int,
-                           out_cache_loc: torch.Tensor) -> None:
+                            out_cache_loc: torch.Tensor) -> None:
         """Plans a cascade graph bucket for `batch` (all padding when None)."""
         self._planning()
         rows, seq_lens = (batch.req_pool_indices_cpu, batch.seq_lens_cpu) if batch is not None else ([], [])
@@ -362,7 +362,7 @@ class FlashInferBackend(AttentionBackend):
         self._planned()
 
     def _plan_graph_decode(self, wrapper, batch: ForwardBatch | None, padded_size: int,
-                          out_cache_loc: torch.Tensor) -> None:
+                           out_cache_loc: torch.Tensor) -> None:
         """Plans `wrapper` for `batch` padded to `padded_size` (all padding when batch is None);
         the layers then store K/V at the fixed `out_cache_loc` buffer."""
         self._planning()
