@@ -121,4 +121,9 @@ class Intake:
             ids = self.prompt_ids(prompt if text is not None else None, prompt if text is None else None,
                                   text_field=text_field)
             groups.append(self.samples(ids, params, rid=one_rid, **options))
+        seen: set[str] = set()
+        for msg in (m for group in groups for m in group):
+            if msg.rid in seen:  # the second would be refused only once the first is running
+                raise ValueError(f"rid: {msg.rid!r} is given twice")
+            seen.add(msg.rid)
         return batched, groups

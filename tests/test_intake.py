@@ -48,6 +48,10 @@ def test_intake_expands_n_into_seeded_samples_with_rids():
     assert [m.sampling_params.seed for m in unseeded] == [None, None]
     assert len({m.rid for m in unseeded}) == 2
     assert intake.samples([1], {"seed": 7}, rid="solo")[0].rid == "solo"
+    with pytest.raises(ValueError, match="rid: 'a-1' is given twice"):
+        intake.batch(None, [[1], [2]], [{"n": 2}, None], ["a", "a-1"])
+    with pytest.raises(ValueError, match="rid: a list must have one entry per prompt"):
+        intake.batch(None, [[1], [2]], None, ["a"])
 
 
 # ---- the same caps -------------------------------------------------------------------------------
