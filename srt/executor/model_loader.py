@@ -143,48 +143,26 @@ def load_tokenizer(path: str | os.PathLike[str]) -> Any:
 
 
 def weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """HF parameter names and shapes of a Llama/Mistral/Qwen2/Qwen3 decoder with this config."""
-    hidden, head_dim, vocab = config.hidden_size, config.head_dim, config.vocab_size
-    q_rows, kv_rows = config.num_heads * head_dim, config.num_kv_heads * head_dim
-    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (vocab, hidden)}
-    for layer in range(config.num_layers):
-        prefix = f"model.layers.{layer}."
-        shapes.update({
-            prefix + "input_layernorm.weight": (hidden,),
-            prefix + "self_attn.q_proj.weight": (q_rows, hidden),
-            prefix + "self_attn.k_proj.weight": (kv_rows, hidden),
-            prefix + "self_attn.v_proj.weight": (kv_rows, hidden),
-            prefix + "self_attn.o_proj.weight": (hidden, q_rows),
-            prefix + "post_attention_layernorm.weight": (hidden,),
-            prefix + "mlp.gate_proj.weight": (config.intermediate_size, hidden),
-            prefix + "mlp.up_proj.weight": (config.intermediate_size, hidden),
-            prefix + "mlp.down_proj.weight": (hidden, config.intermediate_size),
-        })
-        if config.attention_bias:
-            shapes[prefix + "self_attn.q_proj.bias"] = (q_rows,)
-            shapes[prefix + "self_attn.k_proj.bias"] = (kv_rows,)
-            shapes[prefix + "self_attn.v_proj.bias"] = (kv_rows,)
-            # Qwen2 biases only q/k/v; Llama-style `attention_bias` also biases o_proj.
-            if config.architecture != "Qwen2ForCausalLM":
-                shapes[prefix + "self_attn.o_proj.bias"] = (hidden,)
-        if config.qk_norm:
-            shapes[prefix + "self_attn.q_norm.weight"] = (head_dim,)
-            shapes[prefix + "self_attn.k_norm.weight"] = (head_dim,)
-    shapes["model.norm.weight"] = (hidden,)
-    if not config.tie_word_embeddings:
-        shapes["lm_head.weight"] = (vocab, hidden)
-    return shapes
+    """HF parameter names and shapes of a checkpoint of this config's family (models/checkpoint.py)."""
+    from radixlm.srt.executor.models.checkpoint import hf_weight_shapes
+    from radixlm.srt.executor.models.registry import model_class
+
+    return hf_weight_shapes(config, model_class(config).family)
 
 
 def random_weights(
     config: ModelConfig, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu", seed: int = 0
 ) -> dict[str, torch.Tensor]:
     """Dummy weights: N(0, 0.02) matrices, zero biases, unit norms, generated on `device`."""
+    from radixlm.srt.executor.models.registry import model_class
+
     generator = torch.Generator(device=device).manual_seed(seed)
+    # Unit norms keep activations sane; Gemma's norms scale by (1 + w), so theirs are zeros.
+    norm_value = 1.0 - model_class(config).family.norm_offset
     weights: dict[str, torch.Tensor] = {}
     for name, shape in weight_shapes(config).items():
         if name.endswith("norm.weight"):
-            weights[name] = torch.ones(shape, dtype=dtype, device=device)  # unit norms keep activations sane
+            weights[name] = torch.full(shape, norm_value, dtype=dtype, device=device)
         elif name.endswith(".bias"):
             weights[name] = torch.zeros(shape, dtype=dtype, device=device)
         else:
@@ -263,8 +241,6 @@ def _model_config(hf_config: Any, source: str) -> ModelConfig:
         config = ModelConfig.from_hf(hf_config)
     except ValueError as exc:
         raise ValueError(f"{source}: {exc}") from exc
-    if getattr(hf_config, "mlp_bias", False):
-        raise ValueError(f"{source}: mlp_bias=True is not supported")
     return config
 
 

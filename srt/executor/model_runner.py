@@ -9,10 +9,11 @@ import time
 import torch
 
 from radixlm.srt.executor.attention.base import AttentionBackend
+from radixlm.srt.executor.attention.layer_spec import check_backend_supports, layer_specs
 from radixlm.srt.configs import ModelConfig
 from radixlm.srt.executor.forward_batch import ForwardBatch
 from radixlm.srt.executor.mem_pool import KVPool
-from radixlm.srt.executor.models.llama import LlamaForCausalLM
+from radixlm.srt.executor.models.registry import model_class
 from radixlm.srt.executor.models.ops import select_ops
 from radixlm.srt.server_args import ServerArgs
 
@@ -33,7 +34,7 @@ class ModelRunner:
         cfg = self.config
         self.ops = select_ops(self.device, cfg.head_dim)
         with torch.device(self.device):
-            self.model = LlamaForCausalLM(cfg, loaded.hf_config, self.ops)
+            self.model = model_class(cfg)(cfg, loaded.hf_config, self.ops)
         self.model.load_weights(loaded.weights)
         # .to(device) too: rotary tables are built on the host (fp64 math) whatever the device.
         self.model.to(device=self.device, dtype=self.dtype).eval()
@@ -46,17 +47,21 @@ class ModelRunner:
                     "on" if self.graph_runner else "off", time.perf_counter() - start, num_kv_slots)
 
     def _make_backend(self, req_to_token: torch.Tensor) -> AttentionBackend:
-        scale = 1.0 / math.sqrt(self.config.head_dim)
+        cfg = self.config
+        # Windows and soft-caps reach the backend per layer; one it cannot compute refuses the model.
+        layers = layer_specs(cfg.sliding_windows, cfg.num_layers, cfg.attn_logit_softcap,
+                             self.args.context_length or cfg.context_len)
+        cascade = not self.args.disable_cascade_attention
         if self.attention_backend_name == "torch_native":
             from radixlm.srt.executor.attention.torch_native import TorchNativeBackend
 
-            return TorchNativeBackend(self.kv_pool, req_to_token, scale,
-                                      cascade=not self.args.disable_cascade_attention)
+            check_backend_supports(TorchNativeBackend, layers, cfg.architecture)
+            return TorchNativeBackend(self.kv_pool, req_to_token, cfg.attention_scale, cascade=cascade, layers=layers)
         from radixlm.srt.executor.attention.flashinfer_backend import FlashInferBackend
 
-        cfg = self.config
+        check_backend_supports(FlashInferBackend, layers, cfg.architecture)
         return FlashInferBackend(self.kv_pool, req_to_token, self.args.page_size, cfg.num_heads, cfg.num_kv_heads,
-                                 cfg.head_dim, scale, self.dtype, cascade=not self.args.disable_cascade_attention)
+                                 cfg.head_dim, cfg.attention_scale, self.dtype, cascade=cascade)
 
     def _make_graph_runner(self, req_to_token: torch.Tensor):
         # The backend says whether it can be captured (torch_native cannot); no name checks here.

@@ -1,0 +1,109 @@
+"""The decoder every family shares: embedding, layers of attention + (gated MLP or MoE), final
+norm, LM head. A family file subclasses CausalLM and sets `family` (family.py) for what differs.
+
+Each residual add is deferred into the next norm (one fused kernel on GPU): a layer returns its
+MLP output and the residual stream before that output is added.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from radixlm.srt.configs import ModelConfig
+from radixlm.srt.executor.attention.base import AttentionBackend
+from radixlm.srt.executor.models import checkpoint
+from radixlm.srt.executor.models.family import Family
+from radixlm.srt.executor.models.layers import Attention, GatedMLP, RMSNorm
+from radixlm.srt.executor.models.moe import SparseMoE
+from radixlm.srt.executor.models.ops import TorchOps
+from radixlm.srt.executor.models.rotary import RotaryEmbedding
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_id: int, family: Family, ops: type[TorchOps] = TorchOps):
+        super().__init__()
+        offset = family.norm_offset
+
+        def norm() -> RMSNorm:
+            return RMSNorm(config.hidden_size, config.rms_norm_eps, ops, offset)
+
+        self.input_layernorm = norm()
+        self.self_attn = Attention(config, layer_id, ops, offset)
+        # Llama's post_attention_layernorm is the norm before the MLP; Gemma's normalises the
+        # attention output, and pre_/post_feedforward_layernorm wrap the MLP.
+        self.post_attention_layernorm = norm()
+        self.sandwich = family.sandwich_norms
+        if self.sandwich:
+            self.pre_feedforward_layernorm = norm()
+            self.post_feedforward_layernorm = norm()
+        if layer_id in config.sparse_layers:
+            self.mlp = SparseMoE(config.hidden_size, config.moe_intermediate_size, config.num_experts,
+                                 config.num_experts_per_tok, config.norm_topk_prob, config.hidden_act, ops)
+        else:
+            self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act, ops)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
+                rotary: RotaryEmbedding, attn: AttentionBackend) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (this layer's MLP output, the residual stream before it is added)."""
+        if residual is None:
+            residual, h = x, self.input_layernorm(x)
+        else:
+            h, residual = self.input_layernorm.forward_add(x, residual)
+        h = self.self_attn(h, positions, rotary, attn)
+        if self.sandwich:
+            h = self.post_attention_layernorm(h)
+            h, residual = self.pre_feedforward_layernorm.forward_add(h, residual)
+            return self.post_feedforward_layernorm(self.mlp(h)), residual
+        h, residual = self.post_attention_layernorm.forward_add(h, residual)
+        return self.mlp(h), residual
+
+
+class CausalLM(nn.Module):
+    family = Family("llama")
+
+    def __init__(self, config: ModelConfig, hf_config: Any = None, ops: type[TorchOps] = TorchOps):
+        super().__init__()
+        self.config = config
+        family = self.family
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        # transformers multiplies by sqrt(hidden) cast to the weights' dtype (55.4256 -> 55.5 in bf16).
+        self.embed_scale = config.hidden_size ** 0.5 if family.scale_embeddings else None
+        self.layers = nn.ModuleList(DecoderLayer(config, i, family, ops) for i in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops, family.norm_offset)
+        self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.rotaries, self.rotary_of_layer = self._make_rotaries(config, hf_config)
+
+    def _make_rotaries(self, config: ModelConfig, hf_config: Any) -> tuple[nn.ModuleList, list[int]]:
+        """The rotary tables and which one each layer uses (one for all, unless overridden)."""
+        rotary = RotaryEmbedding(hf_config, config.head_dim, config.rope_theta, config.context_len,
+                                 rotary_dim=config.rotary_dim)
+        return nn.ModuleList([rotary]), [0] * config.num_layers
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend,
+                logit_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits for `logit_rows` of the new tokens (all rows when None): [len(rows), vocab]."""
+        x = self.embed_tokens(input_ids)
+        if self.embed_scale is not None:
+            x = x * torch.tensor(self.embed_scale, dtype=x.dtype).item()  # a host scalar: no device sync
+        residual = None
+        for layer, rotary in zip(self.layers, self.rotary_of_layer):
+            x, residual = layer(x, residual, positions, self.rotaries[rotary], attn)
+        if logit_rows is not None:
+            x, residual = x[logit_rows], residual[logit_rows]
+        x, _ = self.norm.forward_add(x, residual)
+        logits = F.linear(x, self.lm_head_weight).float()
+        cap = self.config.final_logit_softcap
+        return logits if cap is None else torch.tanh(logits / cap) * cap
+
+    @torch.no_grad()
+    def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
+        """Copies Hugging Face-named tensors into the fused parameters; every parameter must be set."""
+        checkpoint.load_into(self, weights)

@@ -1,0 +1,88 @@
+"""Layers every family shares: RMSNorm (plain or Gemma's 1 + w), attention over the paged KV pool,
+and the gated MLP. Projections are fused (q|k|v and gate|up) so a layer is a few large matmuls;
+checkpoints' separate tensors are copied into row ranges of them when loading.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from radixlm.srt.configs import ModelConfig
+from radixlm.srt.executor.attention.base import AttentionBackend
+from radixlm.srt.executor.models.ops import TorchOps
+from radixlm.srt.executor.models.rotary import RotaryEmbedding
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float, ops: type[TorchOps] = TorchOps, offset: float = 0.0):
+        """offset: 1.0 for Gemma, whose checkpoints store w and scale by (1 + w), computed in fp32
+        as transformers does (adding 1 to a bf16 weight first would round it)."""
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+        self.ops = ops
+        self.offset = offset
+
+    def _scale(self) -> torch.Tensor:
+        return self.weight if not self.offset else self.weight.float() + self.offset
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() != 2:  # per-head q/k norms: [T, H, D]
+            return TorchOps.rms_norm(x, self._scale(), self.eps)
+        return self.ops.rms_norm(x, self._scale(), self.eps)
+
+    def forward_add(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + residual), x + residual); the Triton version updates `residual` in place."""
+        return self.ops.add_rms_norm(x, residual, self._scale(), self.eps)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, layer_id: int, ops: type[TorchOps] = TorchOps, norm_offset: float = 0.0):
+        super().__init__()
+        self.ops = ops
+        self.layer_id = layer_id
+        self.num_heads = config.num_heads
+        self.num_kv_heads = config.num_kv_heads
+        self.head_dim = config.head_dim
+        self.q_size = config.num_heads * config.head_dim
+        self.kv_size = config.num_kv_heads * config.head_dim
+        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_proj_bias)
+        self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps, offset=norm_offset) if config.qk_norm else None
+        self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps, offset=norm_offset) if config.qk_norm else None
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding,
+                attn: AttentionBackend) -> torch.Tensor:
+        qkv = self.qkv_proj(x)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = rotary(positions, q, k, self.ops)
+        return self.o_proj(attn.forward(q, k, v, self.layer_id))
+
+
+class GatedMLP(nn.Module):
+    """down(act(gate(x)) * up(x)), with gate and up as one projection (gate rows first)."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, hidden_act: str, ops: type[TorchOps] = TorchOps):
+        super().__init__()
+        self.ops = ops
+        self.hidden_act = hidden_act
+        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(act_and_mul(self.gate_up_proj(x), self.hidden_act, self.ops))
+
+
+def act_and_mul(gate_up: torch.Tensor, hidden_act: str, ops: type[TorchOps] = TorchOps) -> torch.Tensor:
+    """act(gate) * up for [..., 2 * I] rows holding gate then up."""
+    if hidden_act == "silu":
+        return ops.silu_and_mul(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up  # gelu_pytorch_tanh (ModelConfig refuses others)
