@@ -114,6 +114,7 @@ def launch_server(args: ServerArgs, served_model_name: str | None = None, log_le
 
     from radixlm.srt.detokenizer.process import run_detokenizer_process
     from radixlm.srt.server.http_server import ServerState, create_app
+    from radixlm.srt.server.chat import ChatOptions
     from radixlm.srt.server.openai_api import register_openai_routes
     from radixlm.srt.executor.model_loader import load_model
     from radixlm.srt.scheduler.process import run_scheduler_process
@@ -160,7 +161,7 @@ def launch_server(args: ServerArgs, served_model_name: str | None = None, log_le
                           children.addr("tokenizer"))
     state = ServerState(tm, args.model_path or meta.model_path, dataclasses.asdict(args))
     app = create_app(state, args.api_key)
-    register_openai_routes(app, lambda: tm, model_name)
+    register_openai_routes(app, lambda: tm, model_name, ChatOptions(args.tool_call_parser, args.reasoning_parser))
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=log_level,
                                            timeout_graceful_shutdown=5))
     exit_code = 0

@@ -35,6 +35,8 @@ class ServerArgs:
     host: str = "127.0.0.1"
     port: int = 30000
     api_key: str | None = None
+    tool_call_parser: str | None = None  # hermes | llama3_json | mistral | json; None: from the chat template
+    reasoning_parser: str | None = None  # qwen3 | deepseek-r1: the think block comes back as reasoning_content
 
     def __post_init__(self) -> None:
         if self.page_size < 1:
@@ -51,6 +53,10 @@ class ServerArgs:
             raise ValueError("grammar_compile_timeout: must be > 0")
         if self.cuda_graph_max_bs < 1:
             raise ValueError("cuda_graph_max_bs: must be >= 1")
+        if self.tool_call_parser is not None or self.reasoning_parser is not None:
+            from radixlm.srt.server.chat import ChatOptions
+
+            ChatOptions(self.tool_call_parser, self.reasoning_parser)  # raises naming an unknown parser
         if not 0.0 < self.mem_fraction_static < 1.0:
             raise ValueError("mem_fraction_static: must be between 0 and 1")
 

@@ -28,7 +28,7 @@ from radixlm.srt.scheduler.finish import check_finished
 from radixlm.srt.scheduler.kv_memory import PageAllocator, ReqToTokenTable
 from radixlm.srt.scheduler.request import FinishReason, Req
 from radixlm.srt.scheduler.request_kv import RequestKV
-from radixlm.srt.scheduler.step_plan import PendingStep, StepEngine, StepPlan
+from radixlm.srt.scheduler.step_plan import PendingStep, StepEngine
 from radixlm.srt.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)

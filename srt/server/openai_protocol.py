@@ -189,6 +189,21 @@ class ChatMessage(_Body):
     content: str | list[ContentPart] | None = None
     name: str | None = None
     tool_call_id: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+
+    def as_dict(self, index: int) -> dict[str, Any]:
+        """The message as a chat template takes it (developer is a system message)."""
+        message: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role,
+                                   "content": self.text(index)}
+        if self.name is not None:
+            message["name"] = self.name
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        if self.tool_calls:
+            message["tool_calls"] = self.tool_calls
+            if self.content is None:
+                message["content"] = None
+        return message
 
     def text(self, index: int) -> str:
         """The content as one string; only text parts are accepted."""
@@ -228,12 +243,11 @@ class ChatCompletionRequest(_SamplingBody):
     response_format: ResponseFormat | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
 
     def check_unsupported(self) -> None:
         if not self.messages:
             raise OpenAIError("messages: must not be empty", "messages")
-        if self.tools and self.tool_choice != "none":
-            raise OpenAIError("tools: tool calling is not supported yet", "tools")
         if self.top_logprobs and not self.logprobs:
             raise OpenAIError("top_logprobs: needs logprobs set to true", "top_logprobs")
 

@@ -1,0 +1,285 @@
+"""/v1/responses: the Responses API on top of the chat turn machinery.
+
+A request's input (text, messages, function calls and their outputs) becomes chat messages,
+after the stored conversation of `previous_response_id` and the request's `instructions`; the
+turn runs as a chat completion with one choice, and its message comes back as output items
+(reasoning, message, function calls), whole or as Responses stream events.
+"""
+
+from __future__ import annotations
+
+from typing import Any, AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.responses import Response
+from pydantic import ValidationError
+
+from radixlm.srt.server.chat_completions import ChatCompletions, ChatRun
+from radixlm.srt.server.openai_common import as_openai_error, error_response, json_response, parse_body
+from radixlm.srt.server.openai_protocol import ChatCompletionRequest, OpenAIError, finish_reason_of
+from radixlm.srt.server.responses.protocol import (EventWriter, ResponsesRequest, function_call_item, input_messages,
+                                                   message_item, new_id, reasoning_item,
+                                                   response_object, usage_of)
+from radixlm.srt.server.responses.store import ResponseStore, StoredTurn
+from radixlm.srt.server.streaming import EventStream
+from radixlm.srt.server.tool_calls.parsers import ToolCall
+
+_RENAMES = {"max_completion_tokens": "max_output_tokens", "response_format": "text.format",
+            "messages": "input", "json_schema": "text.format.schema"}
+
+
+class ResponsesRoutes:
+    def __init__(self, chat: ChatCompletions, store: ResponseStore | None = None):
+        self.chat = chat
+        self.store = store or ResponseStore()
+
+    def register(self, app: FastAPI) -> None:
+        app.add_api_route("/v1/responses", self.create, methods=["POST"])
+        app.add_api_route("/v1/responses/{response_id}", self.retrieve, methods=["GET"])
+        app.add_api_route("/v1/responses/{response_id}", self.delete, methods=["DELETE"])
+
+    async def retrieve(self, response_id: str) -> Response:
+        turn = self.store.get(response_id)
+        if turn is None:
+            return error_response(_not_found(response_id))
+        return json_response(turn.response)
+
+    async def delete(self, response_id: str) -> Response:
+        if not self.store.delete(response_id):
+            return error_response(_not_found(response_id))
+        return json_response({"id": response_id, "object": "response.deleted", "deleted": True})
+
+    async def create(self, request: Request) -> Response:
+        try:
+            body = await parse_body(request, ResponsesRequest)
+            history, run = self._prepare(body)
+        except OpenAIError as e:
+            return error_response(e)
+        response_id = new_id("resp")
+        if body.stream:
+            return EventStream(self._stream(body, history, run, response_id))
+        finals = await self.chat.run_to_end(run, request)
+        if isinstance(finals, Response):
+            return finals
+        final = finals[0]
+        message, _ = run.turn.message(final["text"])
+        output = _output_items(message)
+        response = self._respond(body, response_id, output, run, final)
+        self._remember(body, history, message, response)
+        return json_response(response)
+
+    def _prepare(self, body: ResponsesRequest) -> tuple[list[dict[str, Any]], ChatRun]:
+        """(the conversation so far as messages, this turn's input included; the chat run)."""
+        history: list[dict[str, Any]] = []
+        if body.previous_response_id is not None:
+            stored = self.store.get(body.previous_response_id)
+            if stored is None:
+                raise OpenAIError(f"previous_response_id: no stored response {body.previous_response_id!r}",
+                                  "previous_response_id", status=404)
+            history = list(stored.messages)
+        try:
+            history += input_messages(body)
+            chat = {"messages": ([{"role": "system", "content": body.instructions}] if body.instructions else [])
+                    + history, "stream": bool(body.stream)}
+            for name, value in (("max_completion_tokens", body.max_output_tokens), ("temperature", body.temperature),
+                                ("top_p", body.top_p), ("tools", body.chat_tools()),
+                                ("tool_choice", body.chat_tool_choice()),
+                                ("parallel_tool_calls", body.parallel_tool_calls), ("seed", body.seed),
+                                ("cache_salt", body.cache_salt)):
+                if value is not None:
+                    chat[name] = value
+            schema = body.json_schema()
+            if schema is not None:
+                chat["response_format"] = {"type": "json_schema", "json_schema": {"schema": schema}}
+            request = ChatCompletionRequest.model_validate(chat)
+        except ValueError as e:
+            raise OpenAIError.from_value_error(e, {}) if not isinstance(e, ValidationError) \
+                else OpenAIError.from_validation_error(e) from None
+        try:
+            return history, self.chat.prepare(request)
+        except OpenAIError as e:
+            raise _renamed(e) from None
+
+    def _respond(self, body: ResponsesRequest, response_id: str, output: list[dict[str, Any]], run: ChatRun,
+                 final: dict[str, Any]) -> dict[str, Any]:
+        usage = run.usage()
+        cut = finish_reason_of(final["meta_info"]) == "length"
+        return response_object(body, response_id, self.chat.api.model_name, output,
+                               usage_of(usage["prompt_tokens"], usage["completion_tokens"],
+                                        usage["prompt_tokens_details"]["cached_tokens"]),
+                               status="incomplete" if cut else "completed",
+                               incomplete_reason="max_output_tokens" if cut else None)
+
+    def _remember(self, body: ResponsesRequest, history: list[dict[str, Any]], message: dict[str, Any],
+                  response: dict[str, Any]) -> None:
+        if body.store is False:
+            return
+        said = {"role": "assistant", "content": message.get("content")}
+        if message.get("tool_calls"):
+            said["tool_calls"] = message["tool_calls"]
+        self.store.put(response["id"], StoredTurn(history + [said], body.instructions, response))
+
+    async def _stream(self, body: ResponsesRequest, history: list[dict[str, Any]], run: ChatRun,
+                      response_id: str) -> AsyncIterator[bytes]:
+        events = EventWriter()
+        items = _StreamedItems(events)
+        stream = run.turn.stream()
+        text = {"reasoning": "", "answer": ""}
+        started = response_object(body, response_id, self.chat.api.model_name, [], None, status="in_progress")
+        yield events.event("response.created", response=started)
+        yield events.event("response.in_progress", response=started)
+        final = None
+        try:
+            async for _, phase, out in self.chat.results(run):
+                delta = out["text"][len(text[phase]):]
+                text[phase] = out["text"]
+                if phase == "reasoning":
+                    for chunk in items.apply(stream.feed_reasoning(delta)):
+                        yield chunk
+                    if finish_reason_of(out["meta_info"]) is not None:
+                        run.reasoning_finals[0] = out
+                        final = out
+                    continue
+                deltas = stream.feed_answer(delta) if 0 in run.reasoning_finals else stream.feed(delta)
+                if finish_reason_of(out["meta_info"]) is not None:
+                    deltas += stream.finish()
+                    final = out
+                    run.finals[0] = out
+                for chunk in items.apply(deltas):
+                    yield chunk
+        except Exception as e:
+            error = as_openai_error(e, _RENAMES)
+            yield events.event("error", code=error.code, message=error.message, param=error.param)
+            return
+        run.finals.setdefault(0, final)
+        for chunk in items.close_all():
+            yield chunk
+        response = self._respond(body, response_id, items.output, run, final)
+        message = _message_of(items.output)
+        self._remember(body, history, message, response)
+        yield events.event("response.completed", response=response)
+
+
+class _StreamedItems:
+    """Output items opened and closed as chat deltas arrive, with their Responses events."""
+
+    def __init__(self, events: EventWriter):
+        self.events = events
+        self.output: list[dict[str, Any]] = []
+        self.open: dict[str, Any] | None = None  # the item receiving deltas
+        self.calls: dict[int, dict[str, Any]] = {}  # tool call index -> its function_call item
+
+    def apply(self, deltas: list[dict[str, Any]]) -> list[bytes]:
+        out: list[bytes] = []
+        for delta in deltas:
+            if delta.get("reasoning_content"):
+                out += self._ensure("reasoning")
+                item, piece = self.open, delta["reasoning_content"]
+                item["content"][0]["text"] += piece
+                out.append(self._event("response.reasoning_text.delta", item, content_index=0, delta=piece))
+            if delta.get("content"):
+                out += self._ensure("message")
+                item, piece = self.open, delta["content"]
+                item["content"][0]["text"] += piece
+                out.append(self._event("response.output_text.delta", item, content_index=0, delta=piece, logprobs=[]))
+            for call in delta.get("tool_calls") or []:
+                out += self._call(call)
+        return out
+
+    def close_all(self) -> list[bytes]:
+        out = self._close_open()
+        for item in self.calls.values():
+            if item["status"] == "in_progress":
+                item["status"] = "completed"
+                out.append(self._event("response.function_call_arguments.done", item, arguments=item["arguments"],
+                                       name=item["name"]))
+                out.append(self._item_event("response.output_item.done", item))
+        return out
+
+    def _ensure(self, kind: str) -> list[bytes]:
+        if self.open is not None and self.open["type"] == kind:
+            return []
+        out = self._close_open()
+        item = reasoning_item("") if kind == "reasoning" else message_item("", status="in_progress")
+        item["status"] = "in_progress"
+        self.output.append(item)
+        self.open = item
+        out.append(self._item_event("response.output_item.added", item))
+        part = item["content"][0]
+        out.append(self._event("response.content_part.added", item, content_index=0, part={**part, "text": ""}))
+        return out
+
+    def _close_open(self) -> list[bytes]:
+        item, self.open = self.open, None
+        if item is None:
+            return []
+        item["status"] = "completed"
+        part = item["content"][0]
+        done = "response.reasoning_text.done" if item["type"] == "reasoning" else "response.output_text.done"
+        extra = {"logprobs": []} if item["type"] == "message" else {}
+        return [self._event(done, item, content_index=0, text=part["text"], **extra),
+                self._event("response.content_part.done", item, content_index=0, part=part),
+                self._item_event("response.output_item.done", item)]
+
+    def _call(self, call: dict[str, Any]) -> list[bytes]:
+        out: list[bytes] = []
+        index = call["index"]
+        fn = call.get("function") or {}
+        item = self.calls.get(index)
+        if item is None:
+            out += self._close_open()
+            item = function_call_item(ToolCall(fn.get("name", ""), "", call.get("id", "")), status="in_progress")
+            self.calls[index] = item
+            self.output.append(item)
+            out.append(self._item_event("response.output_item.added", item))
+        piece = fn.get("arguments") or ""
+        if piece:
+            item["arguments"] += piece
+            out.append(self._event("response.function_call_arguments.delta", item, delta=piece))
+        return out
+
+    def _event(self, kind: str, item: dict[str, Any], **fields: Any) -> bytes:
+        return self.events.event(kind, item_id=item["id"], output_index=self.output.index(item), **fields)
+
+    def _item_event(self, kind: str, item: dict[str, Any]) -> bytes:
+        return self.events.event(kind, output_index=self.output.index(item), item=item)
+
+
+def _output_items(message: dict[str, Any]) -> list[dict[str, Any]]:
+    items = []
+    if message.get("reasoning_content"):
+        items.append(reasoning_item(message["reasoning_content"]))
+    if message.get("content"):
+        items.append(message_item(message["content"]))
+    for call in message.get("tool_calls") or []:
+        fn = call["function"]
+        items.append(function_call_item(ToolCall(fn["name"], fn["arguments"], call["id"])))
+    return items
+
+
+def _message_of(output: list[dict[str, Any]]) -> dict[str, Any]:
+    """The assistant message a streamed output amounts to (for the stored conversation)."""
+    text = "".join(i["content"][0]["text"] for i in output if i["type"] == "message")
+    calls = [{"id": i["call_id"], "type": "function", "function": {"name": i["name"], "arguments": i["arguments"]}}
+             for i in output if i["type"] == "function_call"]
+    message: dict[str, Any] = {"role": "assistant", "content": text or None}
+    if calls:
+        message["tool_calls"] = calls
+    return message
+
+
+def _renamed(e: OpenAIError) -> OpenAIError:
+    """A chat-completions field name in an error, as the Responses request names it."""
+    if e.param is None:
+        return e
+    head, dot, tail = e.param.partition(".")
+    base = head.split("[")[0]
+    if base not in _RENAMES:
+        return e
+    param = _RENAMES[base] + head[len(base):] + dot + tail
+    return OpenAIError(e.message.replace(e.param, param, 1), param, e.status, e.err_type, e.code)
+
+
+def _not_found(response_id: str) -> OpenAIError:
+    return OpenAIError(f"response_id: no stored response {response_id!r}", "response_id", status=404)
+
