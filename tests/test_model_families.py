@@ -10,6 +10,7 @@ and re-served from the radix cache; MoE families check that tokens pick differen
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -275,3 +276,89 @@ def test_longrope_context_is_capped_at_its_original_length(tokenizer, tmp_path: 
 
     _build("phi3", tokenizer, tmp_path)
     assert load_model(tmp_path, load_format="dummy").config.context_len == 128
+
+
+# ---------------------------------------------------------------- GGUF
+
+
+def _write_phi3_gguf(path: Path, model: torch.nn.Module) -> None:
+    """What llama.cpp's converter writes for Phi-3: HF's fused qkv_proj and gate_up_proj as
+    attn_qkv and ffn_up, unpermuted, and the window as {arch}.attention.sliding_window."""
+    import gguf
+    import numpy as np
+
+    config = model.config
+    writer = gguf.GGUFWriter(str(path), "phi3")
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_vocab_size(config.vocab_size)
+    writer.add_sliding_window(config.sliding_window)
+    names = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.qkv_proj": "attn_qkv",
+             "self_attn.o_proj": "attn_output", "mlp.gate_up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+    for name, tensor in model.state_dict().items():
+        top = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+               "lm_head.weight": "output.weight"}
+        if name in top:
+            gguf_name = top[name]
+        else:
+            _, _, layer, rest = name.split(".", 3)
+            module, kind = rest.rsplit(".", 1)
+            gguf_name = f"blk.{layer}.{names[module]}.{kind}"
+        writer.add_tensor(gguf_name, tensor.numpy().astype(np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def test_phi3_gguf_matches_hf(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from transformers import AutoModelForCausalLM, Phi3Config
+
+    from radixlm.srt.executor import gguf_loader
+    from radixlm.srt.executor.model_loader import load_model
+
+    monkeypatch.setenv(gguf_loader.CACHE_DIR_ENV, str(tmp_path / "cache"))
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(Phi3Config(**dict(SHAPE, vocab_size=256), sliding_window=WINDOW)).eval()
+    with torch.no_grad():
+        for param in model.parameters():
+            param.normal_(0.0, 0.1)
+    _write_phi3_gguf(tmp_path / "tiny-phi3.gguf", model)
+    loaded = load_model(tmp_path / "tiny-phi3.gguf")
+    model.save_pretrained(tmp_path / "hf")
+    from_hf = load_model(tmp_path / "hf").config
+    # Token ids live in the GGUF's tokenizer metadata; GGUF stores eps as float32.
+    assert loaded.config.rms_norm_eps == pytest.approx(from_hf.rms_norm_eps, rel=1e-6)
+    ignored = dict(bos_token_id=None, eos_token_ids=(), rms_norm_eps=0.0)
+    assert replace(loaded.config, **ignored) == replace(from_hf, **ignored)
+    assert loaded.config.sliding_windows == (WINDOW,) * 2
+    state = model.state_dict()
+    assert set(loaded.weights) == set(state)
+    for name, tensor in state.items():
+        torch.testing.assert_close(loaded.weights[name], tensor, atol=0, rtol=0, msg=name)
+
+
+def test_gemma_gguf_is_refused_by_name(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import gguf
+    import numpy as np
+
+    from radixlm.srt.executor import gguf_loader
+    from radixlm.srt.executor.model_loader import load_model
+
+    monkeypatch.setenv(gguf_loader.CACHE_DIR_ENV, str(tmp_path / "cache"))
+    path = tmp_path / "gemma.gguf"
+    writer = gguf.GGUFWriter(str(path), "gemma2")
+    writer.add_block_count(1)
+    writer.add_tensor("token_embd.weight", np.zeros((4, 4), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ValueError, match="GGUF architecture 'gemma2' is not supported: .*query_pre_attn_scalar"):
+        load_model(path)

@@ -34,7 +34,18 @@ MARKER_FILE = "radixlm_source.json"
 CACHE_DIR_ENV = "RADIXLM_CACHE_DIR"
 
 # general.architecture values we convert; Mistral GGUFs also say "llama".
-_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                  "phi3": "Phi3ForCausalLM"}
+# Families llama.cpp exports that we serve from HF checkpoints but not from GGUF, and why: a
+# GGUF that loads must compute what the checkpoint it came from computes.
+_REFUSED_ARCHITECTURES = {
+    "gemma2": "its GGUF lacks query_pre_attn_scalar (llama.cpp infers the attention scale from the model size) "
+              "and stores norms as 1 + w",
+    "gemma3": "its GGUF lacks query_pre_attn_scalar and the local rope base (llama.cpp infers them from the "
+              "model size) and stores norms as 1 + w",
+    "qwen3moe": "its experts are stacked tensors (ffn_*_exps) that the converter does not map yet",
+    "qwen2moe": "the Qwen2-MoE family (shared experts) is not supported",
+}
 # llama.cpp's converter interleaves the rotary halves of q/k rows only for the llama family;
 # qwen2/qwen3 use its NEOX rope and keep HF's row order.
 _PERMUTED_QK_ARCHITECTURES = {"llama"}
@@ -57,6 +68,8 @@ _BLOCK_NAMES = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+# Phi-3 keeps HF's fused projections: qkv_proj as attn_qkv, gate_up_proj (gate rows first) as ffn_up.
+_ARCH_BLOCK_NAMES = {"phi3": {**_BLOCK_NAMES, "attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}}
 _BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 # Llama-3.1 GGUFs carry precomputed rope frequency factors; HF recomputes them from the config.
 _SKIPPED_TENSORS = {"rope_freqs.weight"}
@@ -75,17 +88,18 @@ def file_sha256(path: str | os.PathLike[str]) -> str:
     return digest.hexdigest()
 
 
-def gguf_to_hf_name(gguf_name: str) -> str | None:
+def gguf_to_hf_name(gguf_name: str, arch: str = "llama") -> str | None:
     """The HF parameter name for a GGUF tensor name; None for tensors HF does not keep."""
     if gguf_name in _SKIPPED_TENSORS:
         return None
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
+    names = _ARCH_BLOCK_NAMES.get(arch, _BLOCK_NAMES)
     match = _BLOCK_RE.fullmatch(gguf_name)
-    if match is None or match.group(2) not in _BLOCK_NAMES:
+    if match is None or match.group(2) not in names:
         raise ValueError(f"GGUF tensor {gguf_name!r} has no Hugging Face equivalent in the supported families")
     layer, part, kind = match.groups()
-    return f"model.layers.{layer}.{_BLOCK_NAMES[part]}.{kind}"
+    return f"model.layers.{layer}.{names[part]}.{kind}"
 
 
 def unpermute_qk(rows: np.ndarray, num_heads: int) -> np.ndarray:
@@ -171,6 +185,12 @@ def _has_tokenizer(reader: Any) -> bool:
 def _read_architecture(reader: Any, gguf_path: Path) -> str:
     field = reader.fields.get("general.architecture")
     arch = field.contents() if field is not None else None
+    if arch in _REFUSED_ARCHITECTURES:
+        raise ValueError(f"{gguf_path}: GGUF architecture {arch!r} is not supported: {_REFUSED_ARCHITECTURES[arch]}; "
+                         "load the Hugging Face checkpoint instead")
+    if arch == "phi3" and any(t.name.startswith("rope_factors_") for t in reader.tensors):
+        raise ValueError(f"{gguf_path}: a phi3 GGUF with LongRoPE factors (rope_factors_long/short) is not "
+                         "supported; load the Hugging Face checkpoint instead")
     if arch not in _ARCHITECTURES:
         raise ValueError(
             f"{gguf_path}: GGUF architecture {arch!r} is not supported; supported: {sorted(_ARCHITECTURES)}"
@@ -186,7 +206,7 @@ def _dequantized_tensors(reader: Any, arch: str, hf_config: Any) -> dict[str, to
     num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or num_heads
     tensors: dict[str, torch.Tensor] = {}
     for tensor in tqdm(reader.tensors, desc="dequantizing GGUF", disable=None):
-        hf_name = gguf_to_hf_name(tensor.name)
+        hf_name = gguf_to_hf_name(tensor.name, arch)
         if hf_name is None:
             logger.warning("skipping GGUF tensor %s (rope scaling comes from the config)", tensor.name)
             continue
@@ -235,6 +255,10 @@ def convert_gguf(gguf_path: str | os.PathLike[str], expected_sha256: str | None 
         if head_dim_field is not None:
             # transformers ignores key_length for qwen3 and would fall back to Qwen3Config's 128.
             hf_config.head_dim = int(head_dim_field.contents())
+        window_field = reader.fields.get(f"{arch}.attention.sliding_window")
+        if window_field is not None and arch == "phi3":
+            # transformers' GGUF config reader drops it; Phi-3-mini windows at 2047 tokens.
+            hf_config.sliding_window = int(window_field.contents())
         hf_config.dtype = torch.float32  # the weights are stored dequantized to fp32
         if hasattr(hf_config, "quantization_config"):
             del hf_config.quantization_config  # the copy is not quantized
