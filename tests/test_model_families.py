@@ -196,6 +196,27 @@ def test_moe_tokens_pick_different_experts(kind: str, tokenizer, tmp_path: Path)
     assert len(set(picked[0][:, 0].tolist())) >= 3 and len(top_sets) >= 3, top_sets
 
 
+def test_moe_pairs_are_sorted_into_whole_tiles_of_one_expert() -> None:
+    """The fused GPU MoE's device-side sort (its kernels run on CUDA only; the sort runs anywhere)."""
+    pytest.importorskip("triton")
+    from radixlm.srt.executor.models.moe_triton import sort_pairs
+
+    ids = torch.tensor([[3, 0], [3, 1], [0, 3], [2, 3], [3, 0]])  # expert 4 unused
+    pairs, tile_expert = sort_pairs(ids, num_experts=5, block_m=4)
+    flat, num_pairs = ids.reshape(-1), ids.numel()
+    assert sorted(p for p in pairs.tolist() if p < num_pairs) == list(range(num_pairs))
+    seen = []
+    for tile, expert in enumerate(tile_expert.tolist()):
+        rows = pairs[tile * 4:(tile + 1) * 4].tolist()
+        real = [p for p in rows if p < num_pairs]
+        if expert < 0:
+            assert not real
+            continue
+        assert real and all(flat[p] == expert for p in real) and rows[:len(real)] == real
+        seen.append(expert)
+    assert seen == [0, 1, 2, 3, 3]  # expert 3 has five pairs: two tiles
+
+
 def test_every_readable_architecture_has_a_model_class() -> None:
     assert set(SUPPORTED_ARCHITECTURES) == set(MODEL_CLASSES)
 

@@ -11,9 +11,12 @@ from __future__ import annotations
 import importlib.util
 import json
 import logging
+import math
 import os
 import re
 import time
+import zlib
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -51,7 +54,7 @@ class LoadedModel:
     hf_config: Any  # transformers PretrainedConfig, with overrides applied
     config: ModelConfig
     tokenizer: Any
-    weights: dict[str, torch.Tensor]
+    weights: Mapping[str, torch.Tensor]  # a dict, or DummyWeights (made when read) for load_format="dummy"
 
 
 def default_model_path() -> str:
@@ -121,7 +124,8 @@ def load_model(
         weights = random_weights(config, dtype=dtype, device=device)
     else:
         weights = _load_safetensors(local_dir, config, dtype, device)
-    size_mib = sum(t.numel() * t.element_size() for t in weights.values()) / 2**20
+    size_mib = (sum(math.prod(shape) for shape in weight_shapes(config).values()) * dtype.itemsize / 2**20
+                if weights else 0.0)
     logger.info(
         "loaded %s (%s, %d tensors, %.0f MiB %s on %s) in %.2fs",
         source, load_format, len(weights), size_mib, dtype, device, time.perf_counter() - started,
@@ -152,22 +156,38 @@ def weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 def random_weights(
     config: ModelConfig, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu", seed: int = 0
-) -> dict[str, torch.Tensor]:
+) -> "DummyWeights":
     """Dummy weights: N(0, 0.02) matrices, zero biases, unit norms, generated on `device`."""
-    from radixlm.srt.executor.models.registry import model_class
+    return DummyWeights(config, dtype, torch.device(device), seed)
 
-    generator = torch.Generator(device=device).manual_seed(seed)
-    # Unit norms keep activations sane; Gemma's norms scale by (1 + w), so theirs are zeros.
-    norm_value = 1.0 - model_class(config).family.norm_offset
-    weights: dict[str, torch.Tensor] = {}
-    for name, shape in weight_shapes(config).items():
+
+class DummyWeights(Mapping[str, torch.Tensor]):
+    """Random weights made when read, one tensor at a time, the same on every read (seeded by
+    name). Loading a model then holds one dummy tensor beside the model's own parameters,
+    not a second copy of them all: Mixtral-8x7B (93 GB in bf16) fits one H200 only so."""
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device, seed: int):
+        from radixlm.srt.executor.models.registry import model_class
+
+        self.shapes = weight_shapes(config)
+        self.dtype, self.device, self.seed = dtype, device, seed
+        # Unit norms keep activations sane; Gemma's norms scale by (1 + w), so theirs are zeros.
+        self.norm_value = 1.0 - model_class(config).family.norm_offset
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        shape = self.shapes[name]
         if name.endswith("norm.weight"):
-            weights[name] = torch.full(shape, norm_value, dtype=dtype, device=device)
-        elif name.endswith(".bias"):
-            weights[name] = torch.zeros(shape, dtype=dtype, device=device)
-        else:
-            weights[name] = torch.empty(shape, dtype=dtype, device=device).normal_(0.0, _DUMMY_STD, generator=generator)
-    return weights
+            return torch.full(shape, self.norm_value, dtype=self.dtype, device=self.device)
+        if name.endswith(".bias"):
+            return torch.zeros(shape, dtype=self.dtype, device=self.device)
+        generator = torch.Generator(device=self.device).manual_seed(self.seed * 1_000_003 + zlib.crc32(name.encode()))
+        return torch.empty(shape, dtype=self.dtype, device=self.device).normal_(0.0, _DUMMY_STD, generator=generator)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.shapes)
+
+    def __len__(self) -> int:
+        return len(self.shapes)
 
 
 def _resolve(source: str, load_format: str, expected_sha256: str | None) -> tuple[Path, Path]:

@@ -61,7 +61,7 @@ class ModelRunner:
 
         check_backend_supports(FlashInferBackend, layers, cfg.architecture)
         return FlashInferBackend(self.kv_pool, req_to_token, self.args.page_size, cfg.num_heads, cfg.num_kv_heads,
-                                 cfg.head_dim, cfg.attention_scale, self.dtype, cascade=cascade)
+                                 cfg.head_dim, cfg.attention_scale, self.dtype, cascade=cascade, layers=layers)
 
     def _make_graph_runner(self, req_to_token: torch.Tensor):
         # The backend says whether it can be captured (torch_native cannot); no name checks here.

@@ -21,13 +21,16 @@ plain graph could run takes it only when it saves enough KV reads to pay for eag
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Sequence
 
 import numpy as np
 import torch
 
 from radixlm.srt.executor.attention.base import DEFAULT_GRAPH_VARIANT, AttentionBackend
 from radixlm.srt.executor.attention.cascade_groups import CASCADE_MIN_PREFIX, CascadeGroups, find_groups
+from radixlm.srt.executor.attention.flashinfer_cascade import (  # noqa: F401 (tests import the tables from here)
+    GraphCascade, _CascadeStep, cascade_page_tables, graph_cascade_tables, graph_prefix_segments)
+from radixlm.srt.executor.attention.layer_spec import LOGIT_SOFTCAP, SLIDING_WINDOW, LayerAttention
 from radixlm.srt.executor.attention.paged_kv import PagedKV, build_paged_kv, qo_indptr_for
 from radixlm.srt.executor.forward_batch import ForwardBatch
 from radixlm.srt.executor.mem_pool import KVPool
@@ -56,90 +59,20 @@ CASCADE_GRAPH_VARIANT = "cascade"  # that graph's name in the AttentionBackend g
 CASCADE_IN_GRAPH_MIN_SAVED_BYTES = 64 << 20
 
 
-@dataclass(frozen=True)
-class CascadeTables:
-    """Host page tables of one cascade decode step, in level order: each group's members in
-    turn, then the ungrouped requests (`order[j]` is the batch index of level row j)."""
-
-    order: list[int]
-    num_grouped: int
-    qo_indptr: torch.Tensor  # level 1: group g's queries are level rows [qo_indptr[g], qo_indptr[g + 1])
-    shared: PagedKV  # level 1: group g's shared prefix pages
-    own: PagedKV  # level 2: level row j's pages after its prefix (all of them outside groups)
-
-
-def cascade_page_tables(req_to_token: torch.Tensor, rows: list[int], seq_lens: list[int], found: CascadeGroups,
-                        page_size: int) -> CascadeTables:
-    order = [i for g in found.groups for i in g.members]
-    num_grouped = len(order)
-    order += [i for i, p in enumerate(found.prefix_lens) if p == 0]
-    shared = build_paged_kv(req_to_token, [rows[g.members[0]] for g in found.groups],
-                            [g.prefix_len for g in found.groups], page_size)
-    own = build_paged_kv(req_to_token, [rows[i] for i in order], [seq_lens[i] for i in order], page_size,
-                         starts=[found.prefix_lens[i] for i in order])
-    return CascadeTables(order, num_grouped, qo_indptr_for([len(g.members) for g in found.groups]), shared, own)
-
-
-@dataclass(frozen=True)
-class _CascadeStep:
-    num_grouped: int  # the first num_grouped rows (in level order) belong to groups
-    order: torch.Tensor | None  # [B] device: level order -> batch row; None when they are equal
-    inverse: torch.Tensor | None  # [B] device: batch row -> level order
-    decode: object  # level-2 wrapper
-    prefix: object  # level-1 wrapper
-    # CUDA graphs: level 1 runs over every row (rows outside groups see the padding page) and
-    # only the grouped rows merge, by this mask, so no shape depends on the batch.
-    merge_mask: torch.Tensor | None = None
-
-
-@dataclass
-class GraphCascade:
-    """One decode bucket's cascade wrappers and reordering buffers (fixed addresses)."""
-
-    decode: object
-    prefix: object
-    order: torch.Tensor
-    inverse: torch.Tensor
-    merge_mask: torch.Tensor
-
-
-def graph_prefix_segments(padded_size: int) -> int:
-    """Level-1 segments of a cascade graph: up to one group per four rows, plus one for every
-    row outside the groups. Fixed per bucket (FlashInfer's graph-mode plan needs that); it also
-    fixes the query tile at 128 rows, so a group's prefix is read once per group. Its split-KV
-    scratch grows with it: a batch with more groups uses the plain graph."""
-    return padded_size // 4 + 1
-
-
-def graph_cascade_tables(req_to_token: torch.Tensor, rows: list[int], seq_lens: list[int],
-                         found: CascadeGroups | None, page_size: int, padded_size: int):
-    """Cascade page tables for a graph bucket of `padded_size` rows, every size fixed: level
-    order is the groups' members, then the other requests, then padding rows; level 1 has one
-    segment per group, then one holding every other row (on the padding page; those rows are
-    masked out of the merge), then empty segments. Returns (order, num_grouped, qo_indptr,
-    shared, own)."""
-    groups = found.groups if found is not None else []
-    prefix_lens = found.prefix_lens if found is not None else [0] * len(rows)
-    order = [i for g in groups for i in g.members]
-    num_grouped = len(order)
-    order += [i for i, p in enumerate(prefix_lens) if p == 0]
-    order += list(range(len(rows), padded_size))
-    num_segments = graph_prefix_segments(padded_size)
-    seg_lens = [len(g.members) for g in groups] + [padded_size - num_grouped]
-    seg_lens += [0] * (num_segments - len(seg_lens))
-    qo_indptr = qo_indptr_for(seg_lens)
-    shared = build_paged_kv(req_to_token, [rows[g.members[0]] for g in groups], [g.prefix_len for g in groups],
-                            page_size, pad_to=num_segments)
-    real = order[:len(rows)]
-    own = build_paged_kv(req_to_token, [rows[i] for i in real], [seq_lens[i] for i in real], page_size,
-                         pad_to=padded_size, starts=[prefix_lens[i] for i in real])
-    return order, num_grouped, qo_indptr, shared, own
-
-
 class FlashInferBackend(AttentionBackend):
+    """Sliding windows and soft-capping: FlashInfer takes both at plan time (`window_left`,
+    `logits_soft_cap`), so each distinct window has its own prefill and decode wrapper (and its
+    own page-index buffer in CUDA graphs), planned once per batch with the same page tables;
+    each layer runs its window's wrapper. Models with windows run without cascade decode (a
+    window rarely reaches back into a long shared prefix)."""
+
+    SUPPORTED_FEATURES = frozenset({SLIDING_WINDOW, LOGIT_SOFTCAP})
+
     def __init__(self, kv_pool: KVPool, req_to_token: torch.Tensor, page_size: int, num_heads: int,
-                 num_kv_heads: int, head_dim: int, scale: float, dtype: torch.dtype, cascade: bool = True):
-        """cascade: False keeps every decode step plain (--disable-cascade-attention)."""
+                 num_kv_heads: int, head_dim: int, scale: float, dtype: torch.dtype, cascade: bool = True,
+                 layers: Sequence[LayerAttention] | None = None):
+        """cascade: False keeps every decode step plain (--disable-cascade-attention).
+        layers: each layer's window and soft-cap (plain causal attention everywhere when None)."""
         import flashinfer
 
         self._flashinfer = flashinfer
@@ -154,15 +87,31 @@ class FlashInferBackend(AttentionBackend):
         self.prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "HND", backend=_BACKEND)
         self.decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(self.workspace, "HND", use_tensor_cores=True,
                                                                     backend=_BACKEND)
+        layers = list(layers) if layers is not None else [LayerAttention()] * len(kv_pool.k_buffers)
+        caps = {spec.logit_softcap for spec in layers}
+        if len(caps) > 1:
+            raise ValueError(f"{type(self).__name__}: layers with different logit soft-caps are not supported")
+        self.softcap = caps.pop()
+        self._layer_window = [spec.window_left for spec in layers]  # FlashInfer's window_left, -1: none
+        self._windows = sorted(set(self._layer_window))
+        # Wrappers of the windowed layers; the full-attention ones are self.prefill / self.decode.
+        # Every wrapper shares the workspace: they run one after another on one stream.
+        self._window_wrappers = {
+            window: (flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "HND", backend=_BACKEND),
+                     flashinfer.BatchDecodeWithPagedKVCacheWrapper(self.workspace, "HND", use_tensor_cores=True,
+                                                                   backend=_BACKEND))
+            for window in self._windows if window != -1}
+        cascade = cascade and self._windows == [-1]
         self.kv_pages = [(_as_pages(k, page_size), _as_pages(v, page_size))
                          for k, v in zip(kv_pool.k_buffers, kv_pool.v_buffers)]
-        self._wrapper = None
+        self._wrappers: dict[int, object] = {}  # this batch's planned wrapper per window_left
         self._out_cache_loc: torch.Tensor | None = None
         self._plan_copied: torch.cuda.Event | None = None  # see _planning
         self._cascade_workspace: torch.Tensor | None = None  # level-1 scratch of the cascade graphs
         # Page indices of every graph bucket (level 2, level 1): init_cuda_graph_state.
         self._graph_page_indices: torch.Tensor | None = None
         self._graph_prefix_page_indices: torch.Tensor | None = None
+        self._graph_window_page_indices: dict[int, torch.Tensor] = {}
         self.cascade = cascade
         self._kv_bytes_per_token = 2 * num_kv_heads * head_dim * dtype.itemsize  # K and V, one layer
         self._cascade: _CascadeStep | None = None  # this batch's cascade plan, None for a plain step
@@ -197,22 +146,33 @@ class FlashInferBackend(AttentionBackend):
     def plan(self, batch: ForwardBatch) -> None:
         self._planning()
         self._cascade = None
+        self._wrappers = {}
         if batch.is_decode:
             groups = self._decode_groups(batch)
             self._groups_of = None
             if groups is not None and self._saved_bytes(groups) >= CASCADE_EAGER_MIN_SAVED_BYTES:
                 self._plan_cascade(batch, groups)
             else:
-                self._plan_decode(self.decode, build_paged_kv(self.req_to_token, batch.req_pool_indices_cpu,
-                                                              batch.seq_lens_cpu, self.page_size))
+                kv = build_paged_kv(self.req_to_token, batch.req_pool_indices_cpu, batch.seq_lens_cpu, self.page_size)
+                for window in self._windows:
+                    self._plan_decode(self._wrapper_for(window, decode=True), kv, window)
         else:
             kv = build_paged_kv(self.req_to_token, batch.req_pool_indices_cpu, batch.seq_lens_cpu, self.page_size)
-            self.prefill.plan(qo_indptr_for(batch.extend_lens_cpu), kv.indptr, kv.indices, kv.last_page_len,
-                              self.num_heads, self.num_kv_heads, self.head_dim, self.page_size, causal=True,
-                              sm_scale=self.scale, q_data_type=self.dtype, kv_data_type=self.dtype)
-            self._wrapper = self.prefill
+            qo_indptr = qo_indptr_for(batch.extend_lens_cpu)
+            for window in self._windows:
+                wrapper = self._wrapper_for(window, decode=False)
+                wrapper.plan(qo_indptr, kv.indptr, kv.indices, kv.last_page_len, self.num_heads, self.num_kv_heads,
+                             self.head_dim, self.page_size, causal=True, sm_scale=self.scale, window_left=window,
+                             logits_soft_cap=self.softcap, q_data_type=self.dtype, kv_data_type=self.dtype)
+                self._wrappers[window] = wrapper
         self._out_cache_loc = batch.out_cache_loc
         self._planned()
+
+    def _wrapper_for(self, window_left: int, decode: bool):
+        if window_left == -1:
+            return self.decode if decode else self.prefill
+        prefill, decode_wrapper = self._window_wrappers[window_left]
+        return decode_wrapper if decode else prefill
 
     def _decode_groups(self, batch: ForwardBatch) -> CascadeGroups | None:
         """The batch's cascade groups, found once per batch (prefers_eager, then plan)."""
@@ -236,7 +196,7 @@ class FlashInferBackend(AttentionBackend):
         shared = tables.shared
         self.prefill.plan(tables.qo_indptr, shared.indptr, shared.indices, shared.last_page_len, self.num_heads,
                           self.num_kv_heads, self.head_dim, self.page_size, causal=False, sm_scale=self.scale,
-                          q_data_type=self.dtype, kv_data_type=self.dtype)
+                          logits_soft_cap=self.softcap, q_data_type=self.dtype, kv_data_type=self.dtype)
         self._plan_decode(self.decode, tables.own)
         order = tables.order
         reorder = inverse = None
@@ -249,10 +209,11 @@ class FlashInferBackend(AttentionBackend):
             reorder, inverse = both[0], both[1]
         self._cascade = _CascadeStep(tables.num_grouped, reorder, inverse, self.decode, self.prefill)
 
-    def _plan_decode(self, wrapper, kv: PagedKV) -> None:
+    def _plan_decode(self, wrapper, kv: PagedKV, window_left: int = -1) -> None:
         wrapper.plan(kv.indptr, kv.indices, kv.last_page_len, self.num_heads, self.num_kv_heads, self.head_dim,
-                     self.page_size, sm_scale=self.scale, q_data_type=self.dtype, kv_data_type=self.dtype)
-        self._wrapper = wrapper
+                     self.page_size, window_left=window_left, logits_soft_cap=self.softcap, sm_scale=self.scale,
+                     q_data_type=self.dtype, kv_data_type=self.dtype)
+        self._wrappers[window_left] = wrapper
 
     # ---- CUDA graphs (the AttentionBackend hooks; see base.py for the order and invariants) ----
 
@@ -265,6 +226,9 @@ class FlashInferBackend(AttentionBackend):
         self._graph_page_indices = torch.zeros(max_bs * max_pages_per_req, dtype=torch.int32, device=self.device)
         self._graph_prefix_page_indices = (torch.zeros_like(self._graph_page_indices)
                                            if self.cascade and max_bs >= CASCADE_GRAPH_MIN_BS else None)
+        # Each window's wrappers copy their page indices into their own buffer at plan time.
+        self._graph_window_page_indices = {window: torch.zeros_like(self._graph_page_indices)
+                                           for window in self._windows if window != -1}
 
     def cuda_graph_variants(self, bs: int) -> tuple[str, ...]:
         """Plain decode; buckets of CASCADE_GRAPH_MIN_BS and up add a cascade graph."""
@@ -277,9 +241,10 @@ class FlashInferBackend(AttentionBackend):
             handle = self._make_graph_cascade(bs, self._graph_page_indices, self._graph_prefix_page_indices)
             self._plan_graph_cascade(handle, None, bs, out_cache_loc)
             return handle
-        wrapper = self._make_graph_decode_wrapper(bs, self._graph_page_indices)
-        self._plan_graph_decode(wrapper, None, bs, out_cache_loc)
-        return wrapper
+        wrappers = {window: self._make_graph_decode_wrapper(bs, self._graph_window_page_indices.get(
+            window, self._graph_page_indices)) for window in self._windows}
+        self._plan_graph_decode(wrappers, None, bs, out_cache_loc)
+        return wrappers
 
     def choose_cuda_graph_variant(self, batch: ForwardBatch, bs: int) -> str:
         return CASCADE_GRAPH_VARIANT if self._wants_graph_cascade(batch, bs) else DEFAULT_GRAPH_VARIANT
@@ -343,7 +308,8 @@ class FlashInferBackend(AttentionBackend):
                                                                           self.page_size, padded_size)
         graph.prefix.plan(qo_indptr, shared.indptr, shared.indices.to(self.device, non_blocking=True),
                           shared.last_page_len, self.num_heads, self.num_kv_heads, self.head_dim, self.page_size,
-                          causal=False, sm_scale=self.scale, q_data_type=self.dtype, kv_data_type=self.dtype)
+                          causal=False, sm_scale=self.scale, logits_soft_cap=self.softcap, q_data_type=self.dtype,
+                          kv_data_type=self.dtype)
         self._plan_decode(graph.decode, PagedKV(own.indptr, own.indices.to(self.device, non_blocking=True),
                                                 own.last_page_len))
         perm = np.asarray(order, dtype=np.int64)
@@ -361,17 +327,19 @@ class FlashInferBackend(AttentionBackend):
         self._out_cache_loc = out_cache_loc
         self._planned()
 
-    def _plan_graph_decode(self, wrapper, batch: ForwardBatch | None, padded_size: int,
+    def _plan_graph_decode(self, wrappers: dict[int, object], batch: ForwardBatch | None, padded_size: int,
                            out_cache_loc: torch.Tensor) -> None:
-        """Plans `wrapper` for `batch` padded to `padded_size` (all padding when batch is None);
-        the layers then store K/V at the fixed `out_cache_loc` buffer."""
+        """Plans the bucket's `wrappers` (one per window_left) for `batch` padded to `padded_size`
+        (all padding when batch is None); the layers then store K/V at the fixed `out_cache_loc`."""
         self._planning()
         rows, seq_lens = (batch.req_pool_indices_cpu, batch.seq_lens_cpu) if batch is not None else ([], [])
         kv = build_paged_kv(self.req_to_token, rows, seq_lens, self.page_size, padded_size)
         # Host indices would make the graph wrapper copy them blocking, waiting for every step
         # still running; copied here first, its copy into the graph's buffer is device to device.
         kv = PagedKV(kv.indptr, kv.indices.to(self.device, non_blocking=True), kv.last_page_len)
-        self._plan_decode(wrapper, kv)
+        self._wrappers = {}
+        for window, wrapper in wrappers.items():
+            self._plan_decode(wrapper, kv, window)
         self._cascade = None
         self._groups_of = None
         self._out_cache_loc = out_cache_loc
@@ -383,7 +351,7 @@ class FlashInferBackend(AttentionBackend):
         self.kv_pool.store(layer_id, self._out_cache_loc, k, v)
         if self._cascade is not None:
             return self._cascade_forward(q, self.kv_pages[layer_id])
-        out = self._wrapper.run(q, self.kv_pages[layer_id])
+        out = self._wrappers[self._layer_window[layer_id]].run(q, self.kv_pages[layer_id])
         return out.view(q.shape[0], -1)
 
     def _cascade_forward(self, q: torch.Tensor, pages) -> torch.Tensor:
