@@ -1,4 +1,4 @@
-"""Token logprobs (the model's raw distribution) as plain values, and their meta_info shape."""
+"""Token logprobs (the model's raw distribution) as plain values."""
 
 from __future__ import annotations
 
@@ -48,20 +48,3 @@ def input_logprobs(req: Req, logits: torch.Tensor, first_pos: int) -> tuple[list
         if top_k > 0:
             top_lps.append(_top(logprobs[i], top_k))
     return token_lps, top_lps
-
-
-def logprob_meta(tokenizer, with_text: bool, top_k: int, input_token: list, input_top: list,
-                 output_token: list, output_top: list) -> dict:
-    """meta_info logprob fields in SGLang's shape: [logprob, token_id, token_text or None]
-    triples (top lists: lists of triples; None where a prompt position has none)."""
-    text = (lambda t: tokenizer.decode([t])) if with_text else (lambda t: None)
-
-    def triples(items):
-        return [[lp, t, text(t)] for lp, t in items]
-
-    meta = {"input_token_logprobs": triples(input_token), "output_token_logprobs": triples(output_token)}
-    if top_k:
-        meta["input_top_logprobs"] = [None if top is None else triples(top) for top in input_top]
-        meta["output_top_logprobs"] = [triples(top) for top in output_top]
-    return meta
-

@@ -1,4 +1,4 @@
-"""When a request stops, and how its text is trimmed at a stop string."""
+"""When a request stops: EOS, stop tokens and strings, stop regexes, max_new_tokens, the context."""
 
 from __future__ import annotations
 
@@ -47,16 +47,3 @@ def check_finished(req: Req, eos_ids: Sequence[int], context_len: int, tokenizer
     if req.seq_len >= context_len:
         return FinishReason("length", message="reached the context length")
     return None
-
-
-def output_text(req: Req, tokenizer: Any) -> str:
-    """The decoded output, cut before the stop string that ended it (unless no_stop_trim)."""
-    sp = req.sampling_params
-    text = tokenizer.decode(req.output_ids, skip_special_tokens=sp.skip_special_tokens)
-    reason = req.finish_reason
-    if reason is not None and isinstance(reason.matched, str) and not sp.no_stop_trim:
-        cut = text.find(reason.matched)
-        if cut >= 0:
-            text = text[:cut]
-    return text
-
