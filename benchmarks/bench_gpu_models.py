@@ -1,0 +1,215 @@
+"""GPU benchmarks of the model families beyond Llama (bf16, dummy weights). Prints one JSON line
+per result and appends them to --out; each line names the baseline it was measured against in
+the same run.
+
+  mixtral_decode   Mixtral-8x7B shape, batch-1 decode ms/token vs its active-weight roofline:
+                   the bytes one token must read (attention, router and 2 of 8 experts per layer,
+                   final norm and LM head) over the HBM bandwidth measured here; goal >= 70%
+  mixtral_offline  Mixtral-8x7B shape, the offline workload (input U[512,1536], output
+                   U[128,384], ignore_eos): output tok/s; baseline HF `generate` on the first
+                   --hf-requests requests (run first, in the same process, then freed)
+  gemma2_offline   Gemma-2-9B shape (sliding window 4096 on every other layer, soft-capping),
+                   the same workload and baseline (HF runs Gemma 2 with eager attention: its
+                   SDPA path cannot soft-cap)
+
+Run on the H200 (see README, "GPU"):
+  python benchmarks/bench_gpu_models.py --suites mixtral_decode,mixtral_offline --out benchmarks/results/gpu_h200_models.jsonl
+  python benchmarks/bench_gpu_models.py --suites gemma2_offline --out benchmarks/results/gpu_h200_models.jsonl
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import shlex
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_gpu_llama8b as base  # noqa: E402  (shared: Reporter, timed, bandwidth, tokenizer paths)
+
+SHAPES = {
+    "mixtral-8x7b": {
+        "architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "hidden_size": 4096,
+        "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+        "num_local_experts": 8, "num_experts_per_tok": 2, "vocab_size": 32000, "rope_theta": 1e6,
+        "max_position_embeddings": 32768, "rms_norm_eps": 1e-5, "sliding_window": None,
+        "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2,
+    },
+    "gemma-2-9b": {
+        "architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2", "hidden_size": 3584,
+        "intermediate_size": 14336, "num_hidden_layers": 42, "num_attention_heads": 16, "num_key_value_heads": 8,
+        "head_dim": 256, "vocab_size": 256000, "rope_theta": 10000.0, "max_position_embeddings": 8192,
+        "rms_norm_eps": 1e-6, "sliding_window": 4096, "query_pre_attn_scalar": 256,
+        "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0, "hidden_activation": "gelu_pytorch_tanh",
+        "tie_word_embeddings": True, "bos_token_id": 2, "eos_token_id": 1,
+    },
+}
+
+
+def write_config(name: str, folder: Path) -> Path:
+    path = folder / name / "config.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(SHAPES[name]))
+    return path
+
+
+def active_weight_bytes(config, dtype: torch.dtype = torch.bfloat16) -> int:
+    """Weight bytes one decode token reads: every non-expert matrix (the embedding only one
+    row), and num_experts_per_tok experts in each sparse layer."""
+    from radixlm.srt.executor.model_loader import weight_shapes
+
+    total = 0
+    for name, shape in weight_shapes(config).items():
+        numel = math.prod(shape)
+        if name == "model.embed_tokens.weight":
+            numel = shape[1] * (1 if not config.tie_word_embeddings else shape[0])  # tied: it is the LM head
+        elif ".experts." in name:
+            numel = numel * config.num_experts_per_tok / config.num_experts
+        total += numel
+    return int(total * dtype.itemsize)
+
+
+def random_prompts(rng: random.Random, lens: list[int], vocab: int) -> list[list[int]]:
+    return [[rng.randrange(100, vocab - 100) for _ in range(n)] for n in lens]
+
+
+def offline_workload(vocab: int, num: int, seed: int = 0):
+    rng = random.Random(seed)
+    in_lens = [rng.randint(512, 1536) for _ in range(num)]
+    out_lens = [rng.randint(128, 384) for _ in range(num)]
+    return random_prompts(rng, in_lens, vocab), out_lens
+
+
+def run_hf_baseline(rep, name: str, config_path: Path, prompts, out_lens, num: int) -> float:
+    """HF `generate` (bf16, random weights) on the first `num` requests, one left-padded batch."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.from_pretrained(str(config_path.parent))
+    attn = "eager" if cfg.model_type == "gemma2" else "sdpa"
+    with torch.device("cuda"):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16, attn_implementation=attn).eval()
+    prompts, out_lens = prompts[:num], out_lens[:num]
+    width, new = max(len(p) for p in prompts), max(out_lens)
+    ids = torch.zeros((num, width), dtype=torch.long, device="cuda")
+    mask = torch.zeros_like(ids)
+    for row, p in enumerate(prompts):
+        ids[row, width - len(p):] = torch.tensor(p)
+        mask[row, width - len(p):] = 1
+    with torch.inference_mode():
+        model.generate(input_ids=ids[:2, -16:], attention_mask=mask[:2, -16:], max_new_tokens=4, do_sample=False)
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False,
+                       pad_token_id=0)
+        torch.cuda.synchronize()
+        seconds = time.perf_counter() - start
+    rep.emit({"bench": f"gpu_offline_hf_baseline_{name}", "system": "hf_transformers_generate", "attention": attn,
+              "requests": num, "seconds": round(seconds, 2), "output_tok_s": round(sum(out_lens) / seconds, 1)})
+    del model
+    torch.cuda.empty_cache()
+    return sum(out_lens) / seconds
+
+
+def bench_decode(engine, rep, name: str, bw: dict) -> None:
+    prompt = random_prompts(random.Random(1), [128], engine.model_config.vocab_size)[0]
+
+    def gen(n):
+        engine.generate(input_ids=prompt, sampling_params={"temperature": 0, "max_new_tokens": n, "ignore_eos": True})
+        engine.flush_cache()
+
+    short, long = 32, 288
+    gen(long)  # warm-up
+    ms = (base.timed(lambda: gen(long), 3) - base.timed(lambda: gen(short), 3)) / (long - short) * 1e3
+    active = active_weight_bytes(engine.model_config)
+    roofline_ms = active / (max(bw.values()) * 1e12) * 1e3
+    rep.emit({"bench": f"gpu_decode_bs1_{name}", "prompt_tokens": 128, "ms_per_token": round(ms, 3),
+              "tok_s": round(1e3 / ms, 1), "baseline": "roofline active_weight_bytes/measured_bandwidth",
+              "active_weight_gb": round(active / 1e9, 3), "bandwidth_tb_s": {k: round(v, 3) for k, v in bw.items()},
+              "roofline_ms": round(roofline_ms, 3), "fraction_of_roofline": round(roofline_ms / ms, 3),
+              "goal": ">= 0.7"})
+
+
+def bench_offline(engine, rep, name: str, prompts, out_lens, hf_tok_s: float | None, hf_requests: int) -> None:
+    def run(n):
+        params = [{"temperature": 0, "max_new_tokens": m, "ignore_eos": True} for m in out_lens[:n]]
+        start = time.perf_counter()
+        outs = engine.generate(input_ids=prompts[:n], sampling_params=params)
+        seconds = time.perf_counter() - start
+        engine.flush_cache()
+        assert sum(o["meta_info"]["completion_tokens"] for o in outs) == sum(out_lens[:n])
+        return seconds
+
+    run(16)  # warm-up
+    for n in sorted({hf_requests, len(prompts)}):
+        seconds = run(n)
+        out_tokens, in_tokens = sum(out_lens[:n]), sum(len(p) for p in prompts[:n])
+        line = {"bench": f"gpu_offline_{name}", "system": "radixlm_engine", "requests": n,
+                "seconds": round(seconds, 2), "output_tok_s": round(out_tokens / seconds, 1),
+                "total_tok_s": round((out_tokens + in_tokens) / seconds, 1)}
+        if hf_tok_s:
+            line.update(baseline=f"hf_transformers_generate first {hf_requests} requests",
+                        ratio_vs_hf=round(out_tokens / seconds / hf_tok_s, 2))
+        rep.emit(line)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--suites", default="mixtral_decode,mixtral_offline")
+    parser.add_argument("--out", default=None)
+    parser.add_argument("--tokenizer-path", default=None)
+    parser.add_argument("--num-requests", type=int, default=1000)
+    parser.add_argument("--hf-requests", type=int, default=32, help="requests HF generate runs (0: no baseline)")
+    parser.add_argument("--max-running-requests", type=int, default=512)
+    parser.add_argument("--chunked-prefill-size", type=int, default=8192)
+    parser.add_argument("--disable-cuda-graph", action="store_true")
+    args = parser.parse_args()
+    suites = set(args.suites.split(","))
+    unknown = suites - {"mixtral_decode", "mixtral_offline", "gemma2_offline"}
+    if unknown:
+        parser.error(f"unknown suites {sorted(unknown)}")
+    rep = base.Reporter(args.out, "python " + shlex.join(sys.argv))
+    tokenizer = args.tokenizer_path or next(str(p) for p in base.TOKENIZERS if p.exists())
+    folder = Path(tempfile.mkdtemp(prefix="radixlm-bench-models-"))
+
+    from radixlm.srt import Engine
+
+    for name, model_suites in (("mixtral-8x7b", {"mixtral_decode", "mixtral_offline"}),
+                               ("gemma-2-9b", {"gemma2_offline"})):
+        wanted = suites & model_suites
+        if not wanted:
+            continue
+        config_path = write_config(name, folder)
+        vocab = SHAPES[name]["vocab_size"]
+        prompts, out_lens = offline_workload(vocab, args.num_requests)
+        offline = any(s.endswith("offline") for s in wanted)
+        hf_tok_s = (run_hf_baseline(rep, name, config_path, prompts, out_lens, args.hf_requests)
+                    if offline and args.hf_requests else None)
+        bw = base.measure_bandwidth() if "mixtral_decode" in wanted else None
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        engine = Engine(str(config_path), load_format="dummy", tokenizer_path=tokenizer,
+                        max_running_requests=args.max_running_requests,
+                        cuda_graph_max_bs=min(512, args.max_running_requests),
+                        chunked_prefill_size=args.chunked_prefill_size, max_prefill_tokens=args.chunked_prefill_size,
+                        disable_cuda_graph=args.disable_cuda_graph)
+        rep.emit({"bench": f"gpu_engine_ready_{name}", "seconds": round(time.perf_counter() - start, 1),
+                  "kv_tokens": engine.scheduler.allocator.capacity,
+                  "note": "in-process Engine (dummy weights, CUDA graphs), without interpreter/import time"})
+        if "mixtral_decode" in wanted:
+            bench_decode(engine, rep, name, bw)
+        if offline:
+            bench_offline(engine, rep, name, prompts, out_lens, hf_tok_s, args.hf_requests)
+        engine.shutdown()
+        del engine
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
