@@ -8,6 +8,7 @@ the field, the Engine lets it propagate. Nothing is sent before the whole reques
 
 from __future__ import annotations
 
+import dataclasses
 import uuid
 from typing import Any
 
@@ -15,6 +16,10 @@ from radixlm.srt.io_struct import TokenizedGenerateReq
 from radixlm.srt.sampling_params import SamplingParams
 
 MAX_TOP_LOGPROBS = 64  # top-k alternatives per token; each costs a top-k over the vocabulary
+# Integers travel to the scheduler over msgpack as signed 64-bit values; a larger one would fail
+# there, after the request was accepted, so it is refused here naming the field.
+_INT64_MAX = 2**63 - 1
+_BOUNDED_INT_FIELDS = ("max_new_tokens", "top_k", "min_new_tokens")
 
 
 def prompt_token_ids(tokenizer: Any, text: Any, input_ids: Any, vocab_size: int, context_len: int,
@@ -83,7 +88,7 @@ class Intake:
                 stream: bool = False, cache_salt: Any = None) -> list[TokenizedGenerateReq]:
         """One message per sample of one tokenized prompt. With n > 1, sample i gets seed + i and
         rid "{rid}-{i}"; without a rid each sample gets a fresh one."""
-        sp = SamplingParams.from_dict(sampling_params, vocab_size=self.vocab_size)
+        sp = self.sampling_params(input_ids, sampling_params)
         logprob = check_logprob_options(return_logprob, logprob_start_len, top_logprobs_num)
         salt = check_cache_salt(cache_salt)
         if rid is not None and not isinstance(rid, str):
@@ -95,6 +100,18 @@ class Intake:
                 rid=sample_rid, input_ids=input_ids, sampling_params=sp.for_sample(i), return_logprob=logprob[0],
                 logprob_start_len=logprob[1], top_logprobs_num=logprob[2], stream=stream, cache_salt=salt))
         return out
+
+    def sampling_params(self, input_ids: list[int], params: Any) -> SamplingParams:
+        """Validated parameters with max_new_tokens clamped to the context the prompt leaves (as
+        SGLang does): a request asking for 10**9 tokens reserves no more than it can use."""
+        sp = SamplingParams.from_dict(params, vocab_size=self.vocab_size)
+        for name in _BOUNDED_INT_FIELDS:
+            if getattr(sp, name) > _INT64_MAX:
+                raise ValueError(f"sampling_params.{name}: must be at most {_INT64_MAX}")
+        room = self.context_len - len(input_ids)
+        if sp.max_new_tokens > room:
+            sp = dataclasses.replace(sp, max_new_tokens=room)
+        return sp
 
     def batch(self, text: Any, input_ids: Any, sampling_params: Any, rid: Any = None, *,
               text_field: str = "text", **options: Any) -> tuple[bool, list[list[TokenizedGenerateReq]]]:

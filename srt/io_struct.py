@@ -35,7 +35,8 @@ class TokenizedGenerateReq:
 
 @dataclass(frozen=True)
 class AbortReq:
-    rid: str  # "" aborts every request
+    rid: str
+    abort_all: bool = False  # every request, whatever rid says; an empty rid alone aborts nothing
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,7 @@ import pytest
 
 from radixlm.srt import io_struct
 from radixlm.srt.intake import MAX_TOP_LOGPROBS, Intake
+from radixlm.srt.server.metrics import Metrics
 from radixlm.srt.io_struct import TokenizedGenerateReq
 from radixlm.srt.sampling_params import SamplingParams
 from radixlm.srt.scheduler.request import Req
@@ -96,6 +97,10 @@ class _FakeTokenizerManager:
         self.context_len = 64
         self.tokenizer = None
         self.aborted: list[str] = []
+        self.metrics = Metrics()
+
+    def is_full(self, adding: int = 1) -> bool:
+        return False
 
     async def generate(self, msg: TokenizedGenerateReq, text_in_logprobs: bool = False):
         try:

@@ -346,7 +346,7 @@ def test_malformed_json_is_400_and_server_keeps_serving(client, model, server):
                        headers={"content-type": "application/json"})
         assert r.status_code == 400
         err = r.json()["error"]
-        assert err["type"] == "invalid_request_error" and "JSON" in err["message"] and err["code"] is None
+        assert err["type"] == "invalid_request_error" and "JSON" in err["message"] and err["code"] == "invalid_request"
         r = httpx.post(f"{server.base_url}{path}", content=b"[1, 2]", timeout=30)
         assert r.status_code == 400
     resp = client.chat.completions.create(model=model, messages=FRANCE, temperature=0, max_tokens=8)

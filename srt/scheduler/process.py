@@ -79,7 +79,7 @@ class SchedulerLoop:
         if isinstance(msg, TokenizedGenerateReq):
             self._add(msg)
         elif isinstance(msg, AbortReq):
-            rids = [msg.rid] if msg.rid else list(self.reqs)
+            rids = list(self.reqs) if msg.abort_all else [msg.rid]
             aborted = [r for r in (self.scheduler.abort(rid) for rid in rids) if r is not None]
             self._send_outputs(aborted)
         elif isinstance(msg, ControlReq):
@@ -159,7 +159,11 @@ def _tops(items: list[Any]) -> list[Any]:
 def run_scheduler_process(server_args: dict[str, Any], recv_addr: str, send_addr: str, ready_addr: str) -> None:
     """Process entry point (started with multiprocessing's spawn)."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s scheduler %(levelname)s %(message)s")
-    exit_when_parent_dies()
+    # Ctrl-C in a terminal reaches the whole process group; the server stops its children itself
+    # (SIGTERM) once it has failed what was in flight, so a child ignores SIGINT rather than dying
+    # mid-step with a traceback.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    exit_when_parent_dies(ipc_addr=recv_addr)
     ctx = zmq.Context()
     ready = ctx.socket(zmq.PUSH)
     ready.setsockopt(zmq.LINGER, 1000)
@@ -183,7 +187,6 @@ def run_scheduler_process(server_args: dict[str, Any], recv_addr: str, send_addr
         ready.close()
         sys.exit(1)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    signal.signal(signal.SIGINT, lambda *_: sys.exit(0))
     ready.send(io_struct.encode(ReadySignal("scheduler", True, info={
         "max_total_tokens": scheduler.allocator.capacity, "context_len": scheduler.context_len})))
     ready.close()

@@ -1,115 +1,74 @@
 """The HTTP front: SGLang's native API (/generate and friends), health, metrics, API keys.
-The OpenAI routes live in openai_api.py."""
+/generate lives in generate_route.py, the request checks in guard.py, the OpenAI routes in
+openai_api.py."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import secrets
-from typing import Any, AsyncIterator
+from typing import Any
 
-import orjson
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 
-from radixlm.srt.intake import Intake
-from radixlm.srt.io_struct import TokenizedGenerateReq
-from radixlm.srt.server.streaming import SSE_DONE, EventStream, sse
+from radixlm.srt.server import generate_route
+from radixlm.srt.server.errors import error_response
+from radixlm.srt.server.generate_route import field_of, json_body  # noqa: F401  (tokenize_routes imports field_of from here)
+from radixlm.srt.server.guard import Guard
+from radixlm.srt.server.openapi_docs import document_bodies
 from radixlm.srt.server.tokenize_routes import add_tokenize_routes
 from radixlm.srt.server.tokenizer_manager import TokenizerManager
 
 logger = logging.getLogger(__name__)
 
-MAX_REQUEST_BYTES = 32 * 2**20
+DEFAULT_MAX_REQUEST_BYTES = 8 * 2**20
 _SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
-_OPEN_PATHS = {"/health"}  # reachable without the API key (load balancers probe it)
-_GENERATE_FIELDS = {"text", "input_ids", "sampling_params", "return_logprob", "logprob_start_len",
-                    "top_logprobs_num", "return_text_in_logprobs", "stream", "rid", "cache_salt"}
 
 
 class ServerState:
-    """What the handlers share: the tokenizer manager and whether the children are alive."""
+    """What the handlers share: the tokenizer manager and whether the server serves.
 
-    def __init__(self, tm: TokenizerManager, model_path: str, server_args: dict[str, Any]):
+    It serves once warm (launch.py runs a request through every process first) until a child
+    dies (unhealthy) or shutdown begins (draining); /health is 200 exactly while it serves."""
+
+    def __init__(self, tm: TokenizerManager, model_path: str, server_args: dict[str, Any], warm: bool = True):
         self.tm = tm
         self.model_path = model_path
         self.server_args = server_args
         self.healthy = True
         self.unhealthy_reason = ""
+        self.warm = warm
+        self.draining = False
+
+    @property
+    def serving(self) -> bool:
+        return self.healthy and self.warm and not self.draining
+
+    @property
+    def not_serving_reason(self) -> str:
+        if not self.healthy:
+            return f"unhealthy: {self.unhealthy_reason}"
+        if self.draining:
+            return "shutting down"
+        return "" if self.warm else "warming up"
 
 
-def error_response(status: int, message: str, param: str | None = None) -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": "invalid_request_error" if status < 500 else
-                                   "server_error", "param": param, "code": status}}, status_code=status)
-
-
-def field_of(message: str) -> str | None:
-    """Our ValueErrors start with the field they are about: 'sampling_params.top_p: ...'."""
-    head = message.split(":", 1)[0]
-    return head if head and " " not in head else None
-
-
-class _BodyTooLarge(Exception):
-    pass
-
-
-class _Guard:
-    """API key and body-size checks as a plain ASGI middleware. (Starlette's BaseHTTPMiddleware
-    would hide client disconnects from the handlers, which abort requests on them.)"""
-
-    def __init__(self, app: Any, api_key: str | None):
-        self.app = app
-        self.expected = f"Bearer {api_key}".encode() if api_key else None
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        headers = dict(scope["headers"])
-        length = headers.get(b"content-length", b"0")
-        if not length.isdigit() or int(length) > MAX_REQUEST_BYTES:
-            return await error_response(413, f"request body over {MAX_REQUEST_BYTES} bytes")(scope, receive, send)
-        if self.expected and scope["path"] not in _OPEN_PATHS and \
-                not secrets.compare_digest(headers.get(b"authorization", b""), self.expected):
-            return await error_response(401, "missing or wrong API key (Authorization: Bearer <key>)")(
-                scope, receive, send)
-        received = 0
-        started = False
-
-        async def counting_receive() -> Any:  # a chunked body has no content-length to check
-            nonlocal received
-            message = await receive()
-            received += len(message.get("body", b""))
-            if received > MAX_REQUEST_BYTES:
-                raise _BodyTooLarge()
-            return message
-
-        async def tracking_send(message: Any) -> None:
-            nonlocal started
-            started = started or message["type"] == "http.response.start"
-            await send(message)
-
-        try:
-            await self.app(scope, counting_receive, tracking_send)
-        except _BodyTooLarge:
-            if not started:
-                await error_response(413, f"request body over {MAX_REQUEST_BYTES} bytes")(scope, receive, send)
-
-
-def create_app(state: ServerState, api_key: str | None) -> FastAPI:
+def create_app(state: ServerState, api_key: str | None,
+               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
     app = FastAPI(title="radixlm", docs_url=None, redoc_url=None)
     app.state.server = state
-    app.add_middleware(_Guard, api_key=api_key)
+    app.add_middleware(Guard, state=state, api_key=api_key, max_request_bytes=max_request_bytes)
 
     @app.get("/health")
     async def health() -> Response:
-        if not state.healthy:
-            return error_response(503, f"unhealthy: {state.unhealthy_reason}")
+        if not state.serving:
+            return error_response(503, state.not_serving_reason)
         return Response(status_code=200)
 
     @app.get("/health_generate")
     async def health_generate() -> Response:
-        if not state.healthy:
-            return error_response(503, f"unhealthy: {state.unhealthy_reason}")
+        if not state.serving:
+            return error_response(503, state.not_serving_reason)
         try:
             probe = state.tm.intake.samples([0], {"max_new_tokens": 1, "temperature": 0})[0]
             await asyncio.wait_for(state.tm.generate_once(probe), timeout=60)
@@ -143,12 +102,23 @@ def create_app(state: ServerState, api_key: str | None) -> FastAPI:
 
     @app.post("/abort_request")
     async def abort_request(request: Request) -> Response:
-        body = await _json_body(request)
+        body = await json_body(request)
         if isinstance(body, Response):
             return body
-        rid = body.get("rid") if isinstance(body, dict) else None
-        if not isinstance(rid, str):
-            return error_response(400, "rid: must be a string", "rid")
+        if not isinstance(body, dict):
+            return error_response(400, "body: must be a JSON object")
+        rid, abort_all = body.get("rid"), body.get("abort_all", False)
+        if not isinstance(abort_all, bool):
+            return error_response(400, "abort_all: must be a boolean", "abort_all")
+        if abort_all:
+            # Ending every client's requests is an operator's act: only behind an API key.
+            if not api_key:
+                return error_response(403, "abort_all: needs a server started with --api-key", "abort_all")
+            await state.tm.abort("", abort_all=True)
+            return Response(status_code=200)
+        if not isinstance(rid, str) or not rid:
+            return error_response(400, "rid: must be a non-empty string (abort_all: true aborts every request)",
+                                  "rid")
         await state.tm.abort(rid)
         return Response(status_code=200)
 
@@ -163,109 +133,8 @@ def create_app(state: ServerState, api_key: str | None) -> FastAPI:
 
     @app.api_route("/generate", methods=["POST", "PUT"])
     async def generate(request: Request) -> Response:
-        body = await _json_body(request)
-        if isinstance(body, Response):
-            return body
-        try:
-            msgs, batched = _generate_requests(body, state.tm.intake)
-        except ValueError as e:
-            return error_response(400, str(e), field_of(str(e)))
-        with_text = bool(body.get("return_text_in_logprobs", False))
-        if body.get("stream"):
-            return EventStream(_stream_generate(state.tm, msgs, with_text))
-        try:
-            results = await _run_until_done_or_disconnect(state.tm, msgs, with_text, request)
-        except ValueError as e:
-            return error_response(400, str(e), field_of(str(e)))
-        if results is None:
-            return Response(status_code=499)
-        return _json(results if batched else results[0])
+        return await generate_route.generate(state.tm, request)
 
     add_tokenize_routes(app, state)
+    document_bodies(app)
     return app
-
-
-async def _json_body(request: Request) -> Any:
-    raw = await request.body()
-    try:
-        return orjson.loads(raw)
-    except orjson.JSONDecodeError as e:
-        return error_response(400, f"body: malformed JSON: {e}")
-
-
-def _generate_requests(body: Any, intake: Intake) -> tuple[list[TokenizedGenerateReq], bool]:
-    """SGLang's /generate body -> one message per prompt and sample, all validated."""
-    if not isinstance(body, dict):
-        raise ValueError("body: must be a JSON object")
-    unknown = sorted(set(body) - _GENERATE_FIELDS)
-    if unknown:
-        raise ValueError(f"{unknown[0]}: unknown field")
-    batched, groups = intake.batch(
-        body.get("text"), body.get("input_ids"), body.get("sampling_params"), body.get("rid"),
-        return_logprob=body.get("return_logprob", False), logprob_start_len=body.get("logprob_start_len"),
-        top_logprobs_num=body.get("top_logprobs_num"), stream=bool(body.get("stream", False)),
-        cache_salt=body.get("cache_salt"))
-    msgs = [m for group in groups for m in group]
-    return msgs, batched or len(msgs) > 1
-
-
-async def _run_until_done_or_disconnect(tm: TokenizerManager, msgs: list[TokenizedGenerateReq], with_text: bool,
-                                        request: Request) -> list[dict[str, Any]] | None:
-    """Runs all requests; if the client disconnects first, aborts them and returns None."""
-    await _share_prompts(tm, msgs)
-    work = asyncio.ensure_future(asyncio.gather(*(tm.generate_once(m, with_text) for m in msgs)))
-    while not work.done():
-        done, _ = await asyncio.wait({work}, timeout=0.5)
-        if not done and await request.is_disconnected():
-            work.cancel()  # closing the generators aborts the requests in the scheduler
-            try:
-                await work
-            except (asyncio.CancelledError, Exception):
-                pass
-            return None
-    return work.result()
-
-
-async def _share_prompts(tm: TokenizerManager, msgs: list[TokenizedGenerateReq]) -> None:
-    """Several samples of one prompt: prefill it once so the others hit the radix cache."""
-    groups: dict[Any, list[TokenizedGenerateReq]] = {}
-    for m in msgs:  # the salt is part of the key: a prompt is cached per salt
-        groups.setdefault((m.cache_salt, tuple(m.input_ids)), []).append(m)
-    await asyncio.gather(*(tm.cache_prompt(g[0]) for g in groups.values() if len(g) > 1))
-
-
-async def _stream_generate(tm: TokenizerManager, msgs: list[TokenizedGenerateReq],
-                           with_text: bool) -> AsyncIterator[bytes]:
-    """SSE: `data: {...}` per chunk (with "index" when several requests), then `data: [DONE]`."""
-    tasks: list[asyncio.Future] = []
-    try:
-        await _share_prompts(tm, msgs)
-        queue: asyncio.Queue = asyncio.Queue()
-
-        async def pump(index: int, msg: TokenizedGenerateReq) -> None:
-            try:
-                async for chunk in tm.generate(msg, with_text):
-                    await queue.put((index, chunk))
-            except ValueError as e:
-                await queue.put((index, {"error": {"message": str(e)}}))
-            finally:
-                await queue.put((index, None))
-
-        tasks = [asyncio.ensure_future(pump(i, m)) for i, m in enumerate(msgs)]
-        remaining = len(tasks)
-        while remaining:
-            index, chunk = await queue.get()
-            if chunk is None:
-                remaining -= 1
-                continue
-            if len(msgs) > 1:
-                chunk = {**chunk, "index": index}
-            yield sse(chunk)
-        yield SSE_DONE
-    finally:
-        for task in tasks:  # the client left: cancelling closes the generators, which abort
-            task.cancel()
-
-
-def _json(data: Any) -> Response:
-    return Response(orjson.dumps(data), media_type="application/json")

@@ -21,6 +21,8 @@ class Metrics:
         self.ttft = Histogram("radixlm_time_to_first_token_seconds", "Time to first token", buckets=_LATENCY_BUCKETS, registry=r)
         self.itl = Histogram("radixlm_inter_token_latency_seconds", "Time between output tokens", buckets=_LATENCY_BUCKETS, registry=r)
         self.e2e = Histogram("radixlm_e2e_request_latency_seconds", "Request latency", buckets=_LATENCY_BUCKETS, registry=r)
+        self.rejected = Counter("radixlm_rejected_requests", "Requests refused before they ran, by reason",
+                                ["reason"], registry=r)
         self.running = Gauge("radixlm_num_running_reqs", "Requests in the decode batch", registry=r)
         self.waiting = Gauge("radixlm_num_waiting_reqs", "Requests waiting for admission", registry=r)
         self.kv_usage = Gauge("radixlm_kv_usage", "Fraction of KV slots in use (requests and cache)", registry=r)
@@ -34,6 +36,10 @@ class Metrics:
         self.generation_tokens.inc(len(state.output_ids))
         if state.last_token_time is not None:
             self.e2e.observe(state.last_token_time - state.created)
+
+    def on_rejected(self, reason: str) -> None:
+        """reason: queue_full, rate_limited, body_too_large, unauthorized, draining."""
+        self.rejected.labels(reason=reason).inc()
 
     def observe_ttft(self, seconds: float) -> None:
         self.ttft.observe(seconds)

@@ -12,6 +12,7 @@ from fastapi.responses import Response
 from pydantic import BaseModel, ValidationError
 
 from radixlm.srt.io_struct import TokenizedGenerateReq
+from radixlm.srt.server.errors import RETRY_AFTER_S, Overloaded, ServerUnavailable
 from radixlm.srt.server.openai_protocol import OpenAIError
 from radixlm.srt.server.openai_runner import InternalAbort
 from radixlm.srt.server.tokenizer_manager import TokenizerManager
@@ -55,6 +56,10 @@ def as_openai_error(e: Exception, renames: dict[str, str]) -> OpenAIError:
         return e
     if isinstance(e, ValueError):
         return OpenAIError.from_value_error(e, renames)
+    if isinstance(e, Overloaded):
+        return OpenAIError(str(e), status=429, err_type="rate_limit_error")
+    if isinstance(e, ServerUnavailable):
+        return OpenAIError(f"the server cannot finish the request: {e}", status=503, err_type="server_error")
     if isinstance(e, InternalAbort):
         return OpenAIError(f"the request failed in the server: {e}", status=500, err_type="server_error")
     logger.exception("request failed", exc_info=e)
@@ -63,9 +68,10 @@ def as_openai_error(e: Exception, renames: dict[str, str]) -> OpenAIError:
 
 # ---- response helpers --------------------------------------------------------------------------
 
-def json_response(data: Any, status: int = 200) -> Response:
-    return Response(orjson.dumps(data), status_code=status, media_type="application/json")
+def json_response(data: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
+    return Response(orjson.dumps(data), status_code=status, media_type="application/json", headers=headers)
 
 
 def error_response(e: OpenAIError) -> Response:
-    return json_response(e.body(), e.status)
+    headers = {"Retry-After": str(RETRY_AFTER_S)} if e.status in (429, 503) else None
+    return json_response(e.body(), e.status, headers)

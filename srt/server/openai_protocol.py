@@ -27,7 +27,11 @@ class OpenAIError(Exception):
         self.message, self.param, self.status, self.err_type, self.code = message, param, status, err_type, code
 
     def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.err_type, "param": self.param, "code": self.code}}
+        # The same code as the native routes give for this status, unless a route names its own.
+        from radixlm.srt.server.errors import code_for
+
+        return {"error": {"message": self.message, "type": self.err_type, "param": self.param,
+                          "code": self.code or code_for(self.status)}}
 
     @classmethod
     def from_value_error(cls, err: ValueError, renames: dict[str, str]) -> "OpenAIError":

@@ -23,6 +23,7 @@ from radixlm.srt.io_struct import (AbortReq, BatchTextOut, ControlReply, Control
                                    TokenizedGenerateReq)
 from radixlm.srt.results import LogprobRecord, Progress, result, trim_at_stop
 from radixlm.srt.sampling_params import SamplingParams
+from radixlm.srt.server.errors import Overloaded, ServerUnavailable
 from radixlm.srt.server.metrics import Metrics
 
 logger = logging.getLogger(__name__)
@@ -41,6 +42,7 @@ class _ReqState:
     first_token_time: float | None = None
     last_token_time: float | None = None
     event: asyncio.Event = field(default_factory=asyncio.Event)
+    error: str | None = None  # set when the server can no longer finish it (a child died, shutdown)
 
     @property
     def rid(self) -> str:
@@ -53,12 +55,15 @@ class _ReqState:
 
 class TokenizerManager:
     def __init__(self, tokenizer: Any, model_config: Any, context_len: int, scheduler_addr: str,
-                 recv_addr: str, metrics: Metrics | None = None):
+                 recv_addr: str, metrics: Metrics | None = None, max_in_flight: int | None = None):
         self.tokenizer = tokenizer
         self.model_config = model_config
         self.context_len = context_len
         self.intake = Intake(tokenizer, model_config.vocab_size, context_len)
         self.metrics = metrics or Metrics()
+        # Running plus waiting requests the server holds at most; beyond it requests get 429.
+        self.max_in_flight = max_in_flight
+        self.unavailable: str | None = None  # why no request can be served any more
         self._ctx = zmq.asyncio.Context()
         self._send = self._ctx.socket(zmq.PUSH)
         self._send.setsockopt(zmq.LINGER, 0)
@@ -91,6 +96,17 @@ class TokenizerManager:
     def num_active(self) -> int:
         return len(self._states)
 
+    def is_full(self, adding: int = 1) -> bool:
+        return self.max_in_flight is not None and len(self._states) + adding > self.max_in_flight
+
+    def fail_all(self, reason: str) -> None:
+        """Ends every request in flight at once with `reason` (their generators raise
+        ServerUnavailable) and refuses new ones: used when a child died or on shutdown."""
+        self.unavailable = reason
+        for state in self._states.values():
+            state.error = reason
+            state.event.set()
+
     # ---- generation ----------------------------------------------------------------------------
 
     async def generate(self, msg: TokenizedGenerateReq, text_in_logprobs: bool = False) -> AsyncIterator[dict[str, Any]]:
@@ -98,26 +114,39 @@ class TokenizerManager:
         ids so far: one final result, or with `msg.stream` one per chunk (the last is finished).
         `msg` comes from `self.intake`, which validated it.
 
-        Raises ValueError before anything is sent when the rid is already running. If the
-        consumer stops iterating before the end (a client went away), the request is aborted in
-        the scheduler.
+        Raises before anything is sent: ValueError when the rid is already running or the
+        message cannot be packed, Overloaded when the server is full, ServerUnavailable when it
+        can serve no more; ServerUnavailable also ends a request under way when a child dies. If
+        the consumer stops iterating before the end (a client went away), the request is aborted
+        in the scheduler.
         """
+        if self.unavailable is not None:
+            raise ServerUnavailable(self.unavailable)
         if msg.rid in self._states:
             raise ValueError(f"rid: {msg.rid!r} is already running")
+        if self.is_full():
+            self.metrics.on_rejected("queue_full")
+            raise Overloaded(f"the server holds {len(self._states)} requests, its limit; retry later")
+        try:  # packed before it is registered: a failure leaves no rid behind
+            payload = io_struct.encode(msg)
+        except (OverflowError, TypeError, ValueError) as e:
+            raise ValueError(f"body: cannot be sent to the scheduler ({e})") from None
         state = _ReqState(msg=msg, text_in_logprobs=text_in_logprobs, created=time.perf_counter())
         self._states[msg.rid] = state
         try:
-            await self._send.send(io_struct.encode(msg))
+            await self._send.send(payload)
             while True:
                 await state.event.wait()
                 state.event.clear()
+                if state.error is not None:
+                    raise ServerUnavailable(state.error)
                 if state.finish_reason is not None or msg.stream:
                     yield self._result(state)
                 if state.finish_reason is not None:
                     return
         finally:
             self._states.pop(msg.rid, None)
-            if state.finish_reason is None:
+            if state.finish_reason is None and self.unavailable is None:
                 await self.abort(msg.rid)
             self.metrics.on_request_end(state)
 
@@ -134,8 +163,8 @@ class TokenizerManager:
                                     sampling_params=SamplingParams(max_new_tokens=0), cache_salt=msg.cache_salt)
         await self.generate_once(warm)
 
-    async def abort(self, rid: str) -> None:
-        await self._send.send(io_struct.encode(AbortReq(rid=rid)))
+    async def abort(self, rid: str, abort_all: bool = False) -> None:
+        await self._send.send(io_struct.encode(AbortReq(rid=rid, abort_all=abort_all)))
 
     async def control(self, kind: str, timeout: float = 30.0) -> ControlReply:
         request_id = uuid.uuid4().hex

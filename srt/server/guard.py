@@ -1,0 +1,87 @@
+"""The checks every HTTP request passes before a handler sees it, as a plain ASGI middleware
+(Starlette's BaseHTTPMiddleware would hide client disconnects from the handlers, which abort
+requests on them): the API key, the body size, and admission of generation requests (503 while
+the server is not serving, 429 when it holds as many requests as it may)."""
+
+from __future__ import annotations
+
+import secrets
+from typing import Any
+
+from radixlm.srt.server.errors import error_response
+
+OPEN_PATHS = {"/health"}  # reachable without the API key (load balancers probe it)
+# Routes that start generation: refused with 429 / 503 before their body is even read.
+GENERATION_PATHS = {"/generate", "/v1/completions", "/v1/chat/completions", "/v1/responses"}
+
+
+class _BodyTooLarge(Exception):
+    pass
+
+
+def bearer_token(authorization: bytes) -> bytes | None:
+    """The token of an `Authorization: Bearer <token>` header; the scheme is case-insensitive
+    (RFC 9110), so `bearer` is accepted as clients send it."""
+    scheme, _, token = authorization.strip().partition(b" ")
+    return token.strip() if scheme.lower() == b"bearer" and token.strip() else None
+
+
+class Guard:
+    """`state` is the app's ServerState: its tokenizer manager (fullness), health and draining
+    flags, and metrics (rejections are counted by reason)."""
+
+    def __init__(self, app: Any, state: Any, api_key: str | None, max_request_bytes: int):
+        self.app = app
+        self.state = state
+        self.api_key = api_key.encode() if api_key else None
+        self.max_bytes = max_request_bytes
+
+    def _refuse(self, reason: str, status: int, message: str) -> Any:
+        self.state.tm.metrics.on_rejected(reason)
+        return error_response(status, message)
+
+    def _check(self, scope: Any, headers: dict[bytes, bytes]) -> Any:
+        length = headers.get(b"content-length", b"0")
+        if not length.isdigit() or int(length) > self.max_bytes:
+            return self._refuse("body_too_large", 413, f"request body over {self.max_bytes} bytes (--max-request-bytes)")
+        if self.api_key and scope["path"] not in OPEN_PATHS:
+            token = bearer_token(headers.get(b"authorization", b""))
+            if token is None or not secrets.compare_digest(token, self.api_key):
+                return self._refuse("unauthorized", 401, "missing or wrong API key (Authorization: Bearer <key>)")
+        if scope["method"] == "POST" and scope["path"] in GENERATION_PATHS:
+            state = self.state
+            if not state.serving:
+                return self._refuse("unavailable", 503, f"not serving: {state.not_serving_reason}")
+            if state.tm.is_full():
+                return self._refuse("queue_full", 429, "the server holds as many requests as it may "
+                                    "(--max-queued-requests); retry later")
+        return None
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        refusal = self._check(scope, dict(scope["headers"]))
+        if refusal is not None:
+            return await refusal(scope, receive, send)
+        received = 0
+        started = False
+
+        async def counting_receive() -> Any:  # a chunked body has no content-length to check
+            nonlocal received
+            message = await receive()
+            received += len(message.get("body", b""))
+            if received > self.max_bytes:
+                raise _BodyTooLarge()
+            return message
+
+        async def tracking_send(message: Any) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, counting_receive, tracking_send)
+        except _BodyTooLarge:
+            if not started:
+                await self._refuse("body_too_large", 413, f"request body over {self.max_bytes} bytes "
+                                   "(--max-request-bytes)")(scope, receive, send)
