@@ -10,7 +10,6 @@ import logging
 import multiprocessing as mp
 import os
 import shutil
-import signal
 import sys
 import tempfile
 import time
@@ -19,33 +18,42 @@ from typing import Any
 import zmq
 
 from radixlm.srt import io_struct
+from radixlm.srt.process_utils import bind_port, show_progress_bars_in_log, stage
 from radixlm.srt.server_args import ServerArgs
 
 logger = logging.getLogger("radixlm.launch")
 
 READY_TIMEOUT_S = 900.0
+API_KEY_ENV = "RADIXLM_API_KEY"
 _CHILD_STOP_TIMEOUT_S = 10.0
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="radixlm serve", description="Serve a model over HTTP.")
+    parser = argparse.ArgumentParser(prog="radixlm serve", description="Serve a model over HTTP (SGLang's native "
+                                     "API and OpenAI's /v1 routes).",
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     for f in dataclasses.fields(ServerArgs):
         flag = "--" + f.name.replace("_", "-")
+        help_text = f.metadata.get("help", "")
         if f.type in ("bool", bool):
-            parser.add_argument(flag, action="store_true", default=f.default)
+            parser.add_argument(flag, action="store_true", default=f.default, help=help_text)
         else:
             kind = {"int": int, "float": float}.get(str(f.type).split(" |")[0], str)
-            parser.add_argument(flag, type=kind, default=f.default)
-    parser.add_argument("--served-model-name", default=None, help="model id in /v1/models")
-    parser.add_argument("--log-level", default="info")
+            parser.add_argument(flag, type=kind, default=f.default, help=help_text)
+    parser.add_argument("--served-model-name", default=None, help="model id in /v1/models; unset: the model path, "
+                        "or 'default' for the embedded model")
+    parser.add_argument("--log-level", default="info", help="debug | info | warning | error")
     return parser
 
 
 def parse_args(argv: list[str]) -> tuple[ServerArgs, argparse.Namespace]:
     ns = build_parser().parse_args(argv)
     fields = {f.name for f in dataclasses.fields(ServerArgs)}
+    values = {k: v for k, v in vars(ns).items() if k in fields}
+    # A key given on the command line shows in `ps`; the environment keeps it private.
+    values["api_key"] = values["api_key"] or os.environ.get(API_KEY_ENV) or None
     try:
-        args = ServerArgs(**{k: v for k, v in vars(ns).items() if k in fields})
+        args = ServerArgs(**values)
     except ValueError as e:
         build_parser().error(str(e))
     return args, ns
@@ -110,14 +118,27 @@ def _local_tokenizer_dir(args: ServerArgs) -> str | None:
 
 def launch_server(args: ServerArgs, served_model_name: str | None = None, log_level: str = "info") -> int:
     """Runs the server until SIGINT/SIGTERM (returns 0) or a child process dies (returns 1)."""
+    try:
+        sock = bind_port(args.host, args.port)
+    except OSError as e:
+        logger.error("%s", e)
+        return 1
+    try:
+        return _launch(args, sock, served_model_name, log_level)
+    finally:
+        sock.close()
+
+
+def _launch(args: ServerArgs, sock: Any, served_model_name: str | None, log_level: str) -> int:
     import uvicorn
 
     from radixlm.srt.detokenizer.process import run_detokenizer_process
-    from radixlm.srt.server.http_server import ServerState, create_app
-    from radixlm.srt.server.chat import ChatOptions
-    from radixlm.srt.server.openai_api import register_openai_routes
     from radixlm.srt.executor.model_loader import load_model
     from radixlm.srt.scheduler.process import run_scheduler_process
+    from radixlm.srt.server.chat import ChatOptions
+    from radixlm.srt.server.http_server import ServerState, create_app
+    from radixlm.srt.server.lifecycle import Server
+    from radixlm.srt.server.openai_api import register_openai_routes
     from radixlm.srt.server.tokenizer_manager import TokenizerManager
 
     def read_meta():
@@ -131,6 +152,9 @@ def launch_server(args: ServerArgs, served_model_name: str | None = None, log_le
     # when the tokenizer is a local directory; first otherwise: a GGUF is converted once, and a
     # hub model is fetched once, before the children race for them.
     tokenizer_dir = _local_tokenizer_dir(args)
+    stage(f"loading {args.model_path or 'the embedded SmolLM2-135M-Instruct'}"
+          + ("" if tokenizer_dir else " (a GGUF is converted once, on its first use)"))
+    started = time.perf_counter()
     meta = None if tokenizer_dir else read_meta()
     children = _Children()
     logger.info("ipc directory: %s", children.ipc_dir)
@@ -139,6 +163,7 @@ def launch_server(args: ServerArgs, served_model_name: str | None = None, log_le
     ready.setsockopt(zmq.LINGER, 0)
     ready.bind(children.addr("ready"))
     try:
+        stage("starting the scheduler (loads the weights) and the detokenizer")
         children.start("detokenizer", run_detokenizer_process, tokenizer_dir or args.tokenizer_path or meta.local_dir,
                        children.addr("detokenizer"), children.addr("tokenizer"), children.addr("ready"))
         children.start("scheduler", run_scheduler_process, dataclasses.asdict(args),
@@ -152,63 +177,56 @@ def launch_server(args: ServerArgs, served_model_name: str | None = None, log_le
         if isinstance(e, RuntimeError):
             logger.error("%s", e)
             return 1
+        if isinstance(e, KeyboardInterrupt):
+            return 130
         raise
     ready.close()
     ctx.term()
+    stage(f"model loaded in {time.perf_counter() - started:.1f}s; warming up")
 
     model_name = served_model_name or (args.model_path or "default")
     tm = TokenizerManager(meta.tokenizer, meta.config, info["context_len"], children.addr("scheduler"),
-                          children.addr("tokenizer"))
-    state = ServerState(tm, args.model_path or meta.model_path, dataclasses.asdict(args))
-    app = create_app(state, args.api_key)
+                          children.addr("tokenizer"),
+                          max_in_flight=args.max_running_requests + args.max_queued_requests)
+    state = ServerState(tm, args.model_path or meta.model_path, dataclasses.asdict(args), warm=False)
+    app = create_app(state, args.api_key, args.max_request_bytes)
     register_openai_routes(app, lambda: tm, model_name, ChatOptions(args.tool_call_parser, args.reasoning_parser))
-    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=log_level,
-                                           timeout_graceful_shutdown=5))
-    exit_code = 0
-
-    async def watch_children() -> None:
-        nonlocal exit_code
-        while not server.should_exit:
-            await asyncio.sleep(0.5)
-            dead = children.dead()
-            if dead:
-                state.healthy, state.unhealthy_reason = False, "; ".join(dead)
-                logger.error("child process died (%s); shutting down", state.unhealthy_reason)
-                exit_code = 1
-                await asyncio.sleep(1.0)  # let health probes see 503 before the port closes
-                server.should_exit = True
-
-    async def serve() -> None:
-        tm.start()
-        watcher = asyncio.ensure_future(watch_children())
-        try:
-            await server.serve()
-        finally:
-            watcher.cancel()
-
-    # uvicorn re-raises the SIGINT/SIGTERM it caught once it has shut down; with a Python
-    # handler in place that lands here instead of killing us before the children are stopped.
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda signum, _frame: logger.info("got signal %d; shutting down", signum))
+    host, port = sock.getsockname()[:2]
+    server = Server(uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5),
+                    state, children.dead, args.graceful_shutdown_timeout)
     try:
-        asyncio.run(serve())
+        asyncio.run(server.run(sock))
+    except KeyboardInterrupt:  # a signal before uvicorn took the handlers over
+        pass
     finally:
         tm.close()
         children.stop()
-    return exit_code
+    stage("stopped")
+    return server.exit_code
 
 
 def main(argv: list[str] | None = None) -> None:
     args, ns = parse_args(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(level=ns.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    show_progress_bars_in_log()
     sys.exit(launch_server(args, ns.served_model_name, ns.log_level))
+
+
+_USAGE = """usage: radixlm serve [--model-path PATH] [--port N] [...]
+
+commands:
+  serve    serve a model over HTTP (radixlm serve --help lists every flag with its default)
+"""
 
 
 def cli() -> None:
     """`radixlm serve ...` (the console script)."""
     argv = sys.argv[1:]
+    if argv and argv[0] in ("-h", "--help", "help"):
+        print(_USAGE, end="")
+        sys.exit(0)
     if not argv or argv[0] != "serve":
-        print("usage: radixlm serve [--model-path PATH] [--port N] ... (radixlm serve --help)", file=sys.stderr)
+        print(_USAGE, end="", file=sys.stderr)
         sys.exit(2)
     main(argv[1:])
 

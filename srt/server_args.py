@@ -7,36 +7,55 @@ from dataclasses import dataclass
 from typing import Any
 
 
+def _arg(default: Any, help: str) -> Any:
+    """A field with its one-line help for `radixlm serve --help` (which adds the default)."""
+    return dataclasses.field(default=default, metadata={"help": help})
+
+
 @dataclass(frozen=True)
 class ServerArgs:
-    model_path: str | None = None  # None: the embedded default model
-    tokenizer_path: str | None = None
-    load_format: str = "auto"  # auto | dummy
-    dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on GPU
-    device: str = "auto"  # auto: cuda when available, else cpu
-    context_length: int | None = None
-    max_total_tokens: int | None = None  # KV slots; None: sized from memory
-    max_running_requests: int = 64
-    max_prefill_tokens: int = 8192
-    chunked_prefill_size: int = 2048
-    page_size: int = 1
-    schedule_policy: str = "lpm"  # lpm | fcfs
-    disable_radix_cache: bool = False
-    grammar_compile_timeout: float = 60.0  # seconds; a request whose grammar compiles longer fails alone
-    enable_mixed_chunk: bool = False  # decoding requests ride along in prefill steps (steadier streams)
-    disable_jump_forward: bool = False  # constrained decoding: no skipping of grammar-forced text
-    attention_backend: str = "auto"  # auto: flashinfer on CUDA (fp16/bf16), else torch_native
-    disable_overlap_schedule: bool = False  # CUDA: run each step's host work while the previous step computes
-    disable_cuda_graph: bool = False  # decode CUDA graphs need the flashinfer backend
-    disable_cascade_attention: bool = False  # decode reads a shared prefix once per request, not per group
-    cuda_graph_max_bs: int = 512  # largest decode batch replayed from a graph (capped by max_running_requests)
-    mem_fraction_static: float = 0.88  # GPU memory share for weights + KV pool (the rest: activations, graphs)
-    random_seed: int = 0
-    host: str = "127.0.0.1"
-    port: int = 30000
-    api_key: str | None = None
-    tool_call_parser: str | None = None  # hermes | llama3_json | mistral | json; None: from the chat template
-    reasoning_parser: str | None = None  # qwen3 | deepseek-r1: the think block comes back as reasoning_content
+    model_path: str | None = _arg(None, "Hugging Face directory, hub id or .gguf file; unset: the embedded "
+                                        "SmolLM2-135M-Instruct")
+    tokenizer_path: str | None = _arg(None, "tokenizer directory, when not the model's own")
+    load_format: str = _arg("auto", "auto | dummy (random weights of the config) | gguf | safetensors")
+    dtype: str = _arg("auto", "auto (float32 on CPU, bfloat16 on GPU) | float32 | bfloat16 | float16")
+    device: str = _arg("auto", "auto (cuda when available, else cpu) | cpu | cuda")
+    context_length: int | None = _arg(None, "longest prompt + output in tokens; unset: the model's")
+    max_total_tokens: int | None = _arg(None, "KV cache slots; unset: sized from memory")
+    max_running_requests: int = _arg(64, "requests decoded together at most")
+    max_queued_requests: int = _arg(256, "requests waiting beyond the running ones at most; more get 429 "
+                                         "with Retry-After")
+    max_prefill_tokens: int = _arg(8192, "prompt tokens prefilled in one step at most")
+    chunked_prefill_size: int = _arg(2048, "a longer prompt is prefilled in chunks of this many tokens")
+    page_size: int = _arg(1, "tokens per KV page")
+    schedule_policy: str = _arg("lpm", "lpm (longest cached prefix first) | fcfs")
+    disable_radix_cache: bool = _arg(False, "do not reuse cached prefixes")
+    grammar_compile_timeout: float = _arg(60.0, "seconds a constraint may take to compile; a longer one fails "
+                                                "its request alone")
+    enable_mixed_chunk: bool = _arg(False, "decoding requests ride along in prefill steps (steadier streams)")
+    disable_jump_forward: bool = _arg(False, "constrained decoding: no skipping of grammar-forced text")
+    attention_backend: str = _arg("auto", "auto (flashinfer on CUDA with fp16/bf16, else torch_native) | "
+                                          "torch_native | flashinfer")
+    disable_overlap_schedule: bool = _arg(False, "CUDA: do not run a step's host work while the previous "
+                                                 "step computes")
+    disable_cuda_graph: bool = _arg(False, "do not replay decode steps from CUDA graphs (they need flashinfer)")
+    disable_cascade_attention: bool = _arg(False, "decode reads a shared prefix per request, not once per group")
+    cuda_graph_max_bs: int = _arg(512, "largest decode batch replayed from a graph (capped by "
+                                       "max_running_requests)")
+    mem_fraction_static: float = _arg(0.88, "GPU memory share for weights + KV pool (the rest: activations, "
+                                            "graphs)")
+    random_seed: int = _arg(0, "seed of the sampler for requests without their own")
+    host: str = _arg("127.0.0.1", "address to listen on (0.0.0.0: every interface)")
+    port: int = _arg(30000, "HTTP port; a busy one is refused before the model loads")
+    api_key: str | None = _arg(None, "require Authorization: Bearer <key> on every route but /health; "
+                                     "unset: taken from $RADIXLM_API_KEY if set (keeps it off the command line)")
+    max_request_bytes: int = _arg(8 * 2**20, "request bodies larger than this get 413")
+    graceful_shutdown_timeout: float = _arg(30.0, "seconds SIGTERM waits for running requests to finish "
+                                                  "before failing them and exiting")
+    tool_call_parser: str | None = _arg(None, "hermes | llama3_json | mistral | json; unset: from the chat "
+                                              "template")
+    reasoning_parser: str | None = _arg(None, "qwen3 | deepseek-r1: the think block comes back as "
+                                              "reasoning_content")
 
     def __post_init__(self) -> None:
         if self.page_size < 1:
@@ -57,6 +76,12 @@ class ServerArgs:
             from radixlm.srt.server.chat import ChatOptions
 
             ChatOptions(self.tool_call_parser, self.reasoning_parser)  # raises naming an unknown parser
+        if self.max_queued_requests < 0:
+            raise ValueError("max_queued_requests: must be >= 0")
+        if self.max_request_bytes < 1:
+            raise ValueError("max_request_bytes: must be >= 1")
+        if self.graceful_shutdown_timeout < 0:
+            raise ValueError("graceful_shutdown_timeout: must be >= 0")
         if not 0.0 < self.mem_fraction_static < 1.0:
             raise ValueError("mem_fraction_static: must be between 0 and 1")
 

@@ -73,7 +73,7 @@ def run_detokenizer_process(tokenizer_dir: str, recv_addr: str, send_addr: str, 
         logging.basicConfig(level=logging.INFO, format="%(asctime)s detokenizer %(levelname)s %(message)s")
     context = zmq.Context()
     sockets: list[zmq.Socket] = []
-    exit_when_parent_dies()
+    exit_when_parent_dies(ipc_addr=recv_addr)
 
     def shutdown(signum: int, frame: FrameType | None) -> None:
         # Raise out of the blocking recv; the finally below closes the sockets.
@@ -81,7 +81,8 @@ def run_detokenizer_process(tokenizer_dir: str, recv_addr: str, send_addr: str, 
         sys.exit(0)
 
     signal.signal(signal.SIGTERM, shutdown)
-    signal.signal(signal.SIGINT, shutdown)
+    # Ctrl-C reaches the whole process group; the server stops us with SIGTERM when it is ready.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
     def open_socket(kind: int, linger_ms: int = 0) -> zmq.Socket:
         sock = context.socket(kind)
