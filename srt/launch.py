@@ -168,6 +168,7 @@ def _launch(args: ServerArgs, sock: Any, served_model_name: str | None, log_leve
                        children.addr("detokenizer"), children.addr("tokenizer"), children.addr("ready"))
         children.start("scheduler", run_scheduler_process, dataclasses.asdict(args),
                        children.addr("scheduler"), children.addr("detokenizer"), children.addr("ready"))
+        logger.info("children: %s", ", ".join(f"{n} pid {p.pid}" for n, p in children.procs.items()))
         meta = meta or read_meta()
         info = _wait_ready(ready, children, {"scheduler", "detokenizer"})
     except BaseException as e:

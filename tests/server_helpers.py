@@ -19,17 +19,21 @@ def free_port() -> int:
 
 
 class ServerProcess:
-    def __init__(self, *extra_args: str, api_key: str | None = None, startup_timeout: float = 300.0):
+    def __init__(self, *extra_args: str, api_key: str | None = None, startup_timeout: float = 300.0,
+                 env: dict[str, str] | None = None, new_session: bool = False, wait: bool = True):
         self.port = free_port()
         self.api_key = api_key
         self.base_url = f"http://127.0.0.1:{self.port}"
         args = [sys.executable, "-m", "radixlm.srt.launch", "--port", str(self.port), *extra_args]
-        if api_key:
+        if api_key and not (env and "RADIXLM_API_KEY" in env):
             args += ["--api-key", api_key]
         self.log_path = f"/tmp/radixlm-test-server-{self.port}.log"
         self._log = open(self.log_path, "w")
-        self.proc = subprocess.Popen(args, stdout=self._log, stderr=subprocess.STDOUT)
-        self._wait_healthy(startup_timeout)
+        # new_session: a process group of its own, so a test can send it a terminal's Ctrl-C.
+        self.proc = subprocess.Popen(args, stdout=self._log, stderr=subprocess.STDOUT,
+                                     env={**os.environ, **(env or {})}, start_new_session=new_session)
+        if wait:
+            self._wait_healthy(startup_timeout)
 
     def _wait_healthy(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
