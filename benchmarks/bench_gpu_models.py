@@ -147,7 +147,7 @@ def bench_offline(engine, rep, name: str, prompts, out_lens, hf_tok_s: float | N
         return seconds
 
     run(16)  # warm-up
-    for n in sorted({hf_requests, len(prompts)}):
+    for n in sorted({n for n in (hf_requests, len(prompts)) if n}):
         seconds = run(n)
         out_tokens, in_tokens = sum(out_lens[:n]), sum(len(p) for p in prompts[:n])
         line = {"bench": f"gpu_offline_{name}", "system": "radixlm_engine", "requests": n,

@@ -33,8 +33,15 @@ class ModelRunner:
         torch.manual_seed(args.random_seed)
         cfg = self.config
         self.ops = select_ops(self.device, cfg.head_dim)
-        with torch.device(self.device):
-            self.model = model_class(cfg)(cfg, loaded.hf_config, self.ops)
+        # Parameters are made in the serving dtype on the device: an fp32 copy first would need
+        # twice the memory (Mixtral-8x7B: 187 GB) before the cast.
+        previous_dtype = torch.get_default_dtype()
+        torch.set_default_dtype(self.dtype)
+        try:
+            with torch.device(self.device):
+                self.model = model_class(cfg)(cfg, loaded.hf_config, self.ops)
+        finally:
+            torch.set_default_dtype(previous_dtype)
         self.model.load_weights(loaded.weights)
         # .to(device) too: rotary tables are built on the host (fp64 math) whatever the device.
         self.model.to(device=self.device, dtype=self.dtype).eval()
