@@ -56,6 +56,11 @@ class ServerArgs:
                                               "template")
     reasoning_parser: str | None = _arg(None, "qwen3 | deepseek-r1: the think block comes back as "
                                               "reasoning_content")
+    speculative_algorithm: str | None = _arg(None, "ngram (drafts by prompt lookup, no extra model); unset: "
+                                                   "no speculative decoding")
+    speculative_num_draft_tokens: int = _arg(4, "draft tokens verified per step")
+    speculative_ngram_max_match_window_size: int = _arg(4, "ngram: longest suffix matched against earlier tokens")
+    speculative_ngram_min_match_window_size: int = _arg(1, "ngram: shortest suffix matched")
 
     def __post_init__(self) -> None:
         if self.page_size < 1:
@@ -76,6 +81,8 @@ class ServerArgs:
             from radixlm.srt.server.chat import ChatOptions
 
             ChatOptions(self.tool_call_parser, self.reasoning_parser)  # raises naming an unknown parser
+        if self.speculative_algorithm is not None:
+            self._check_speculative()
         if self.max_queued_requests < 0:
             raise ValueError("max_queued_requests: must be >= 0")
         if self.max_request_bytes < 1:
@@ -84,6 +91,18 @@ class ServerArgs:
             raise ValueError("graceful_shutdown_timeout: must be >= 0")
         if not 0.0 < self.mem_fraction_static < 1.0:
             raise ValueError("mem_fraction_static: must be between 0 and 1")
+
+    def _check_speculative(self) -> None:
+        name = self.speculative_algorithm
+        if name.lower() != "ngram":
+            raise ValueError(f"speculative_algorithm: {name!r} is not implemented (ngram is; draft-model, "
+                             "EAGLE and STANDALONE speculation are not)")
+        object.__setattr__(self, "speculative_algorithm", "ngram")  # SGLang spells it NGRAM
+        if not 1 <= self.speculative_num_draft_tokens <= 16:
+            raise ValueError("speculative_num_draft_tokens: must be between 1 and 16")
+        low, high = self.speculative_ngram_min_match_window_size, self.speculative_ngram_max_match_window_size
+        if not 1 <= low <= high:
+            raise ValueError("speculative_ngram_min_match_window_size: must be >= 1 and at most the max window size")
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> "ServerArgs":

@@ -16,7 +16,9 @@ def build_extend_batch(plans: list[ExtendPlan], device: torch.device) -> Forward
     for plan in plans:
         row0 = len(input_ids)
         fill = plan.req.fill_ids
-        input_ids.extend(fill[plan.start:plan.start + plan.extend_len])
+        own = plan.extend_len - len(plan.drafts)
+        input_ids.extend(fill[plan.start:plan.start + own])
+        input_ids.extend(plan.drafts)
         positions.extend(range(plan.start, plan.start + plan.extend_len))
         out_cache_loc.extend(plan.slots)
         first = row0 + plan.first_logit_pos - plan.start

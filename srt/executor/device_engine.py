@@ -20,6 +20,7 @@ from radixlm.srt.executor.grammar_mask import apply_grammar_masks
 from radixlm.srt.executor.logprobs import input_logprobs, output_logprobs
 from radixlm.srt.executor.model_runner import ModelRunner, kv_slots_for
 from radixlm.srt.executor.sampler import apply_penalties, sample
+from radixlm.srt.executor.speculative import verify_drafts
 from radixlm.srt.executor.token_transfer import TokenTransfer
 from radixlm.srt.scheduler.request import Req
 from radixlm.srt.scheduler.step_plan import PendingStep, StepPlan, StepResult
@@ -53,21 +54,24 @@ class DeviceEngine:
             batch = build_extend_batch(plan.parts, self.device)
         logits = self.runner.forward(batch)
         prompt_logprobs: dict[int, tuple[list, list]] = {}
-        if plan.decode:
-            sample_logits = logits  # one row per part, every part samples
-        else:
-            rows, offset = [], 0
-            for index, part in enumerate(plan.parts):
-                kept = logits[offset:offset + part.logit_count]
-                offset += part.logit_count
-                if part.input_logprobs:
-                    prompt_logprobs[index] = input_logprobs(part.req, kept, part.first_logit_pos)
-                if part.samples:
-                    rows.append(kept[-1])
-            sample_logits = torch.stack(rows) if rows else None
-        if sample_logits is None:
-            return PendingStep(plan, lambda: StepResult([], [], prompt_logprobs))
-        return PendingStep(plan, self._sample(plan.sampling_reqs, sample_logits, prompt_logprobs))
+        if plan.decode:  # one row per part, every part samples
+            return PendingStep(plan, self._sample(plan.sampling_reqs, logits, prompt_logprobs))
+        rows, reqs, offset = [], [], 0
+        spec_tokens: dict[int, list[int]] = {}  # by sampling index
+        for index, part in enumerate(plan.parts):
+            kept = logits[offset:offset + part.logit_count]
+            offset += part.logit_count
+            if part.input_logprobs:
+                prompt_logprobs[index] = input_logprobs(part.req, kept, part.first_logit_pos)
+            if part.drafts:
+                spec_tokens[len(rows) + len(spec_tokens)] = verify_drafts(part.req, kept, part.drafts)
+            elif part.samples:
+                rows.append(kept[-1])
+                reqs.append(part.req)
+        sampled = self._sample(reqs, torch.stack(rows), prompt_logprobs) if rows else None
+        if not spec_tokens:
+            return PendingStep(plan, sampled or (lambda: StepResult([], [], prompt_logprobs)))
+        return PendingStep(plan, lambda: _merge_speculated(sampled, spec_tokens, prompt_logprobs))
 
     def _sample(self, reqs: list[Req], logits: torch.Tensor,
                 prompt_logprobs: dict[int, Any]) -> Callable[[], StepResult]:
@@ -90,3 +94,19 @@ class DeviceEngine:
             return StepResult(ids, lps, prompt_logprobs)
 
         return collect
+
+
+def _merge_speculated(sampled: Callable[[], StepResult] | None, spec_tokens: dict[int, list[int]],
+                      prompt_logprobs: dict[int, Any]) -> StepResult:
+    """One result in sampling order: verified parts' tokens among the ones sampled plainly."""
+    plain = sampled() if sampled is not None else StepResult([], [], prompt_logprobs)
+    tokens, logprobs, taken = [], [], 0
+    for i in range(len(plain.tokens) + len(spec_tokens)):
+        if i in spec_tokens:
+            tokens.append(spec_tokens[i][0])
+            logprobs.append(None)  # speculating requests asked for none
+        else:
+            tokens.append(plain.tokens[taken])
+            logprobs.append(plain.output_logprobs[taken] if plain.output_logprobs else None)
+            taken += 1
+    return StepResult(tokens, logprobs if plain.output_logprobs else [], prompt_logprobs, spec_tokens)

@@ -50,7 +50,7 @@ def sample(logits: torch.Tensor, reqs: Sequence[SamplingRequest]) -> torch.Tenso
     temps = _on_device([1.0 if g else p.temperature for p, g in zip(params, greedy)], logits.device, logits.dtype)
     probs = torch.softmax(logits / temps[:, None], dim=-1)
     if any(p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0 for p in params):
-        probs = _filter_probs(probs, params)
+        probs = filter_probs(probs, params)
     next_ids = torch.empty(len(reqs), dtype=torch.int64, device=logits.device)
     free_rows = []
     for row, req in enumerate(reqs):
@@ -69,7 +69,7 @@ def sample(logits: torch.Tensor, reqs: Sequence[SamplingRequest]) -> torch.Tenso
     return next_ids
 
 
-def _filter_probs(probs: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+def filter_probs(probs: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
     """Zeroes tokens outside top-k, outside the top-p nucleus, or below min_p * max prob."""
     sorted_probs, order = probs.sort(dim=-1, descending=True)
     dev = probs.device

@@ -12,6 +12,7 @@ import logging
 from typing import TYPE_CHECKING
 
 from radixlm.radix import common_prefix_len
+from radixlm.srt.scheduler.ngram import propose_ngram
 from radixlm.srt.scheduler.request import FinishReason, Req
 from radixlm.srt.scheduler.step_plan import ExtendPlan, StepPlan
 from radixlm.srt.server_args import ServerArgs
@@ -37,13 +38,16 @@ class BatchPlanner:
         self.sched = sched
         self.args = args
         self.new_token_ratio = INIT_NEW_TOKEN_RATIO
+        # Speculative decoding (n-gram drafts): how many draft tokens a decode step verifies.
+        self.num_drafts = args.speculative_num_draft_tokens if args.speculative_algorithm else 0
 
     def next_plan(self) -> StepPlan | None:
         parts = self._plan_extend()
         if parts:
             riders = self._decode_riders() if self.args.enable_mixed_chunk else []
             parts += riders
-            needs_host = any(p.input_logprobs or (p.samples and _needs_host_tokens(p.req)) for p in parts)
+            needs_host = bool(self.num_drafts) or any(p.input_logprobs or (p.samples and _needs_host_tokens(p.req))
+                                                      for p in parts)
             return StepPlan(parts, decode=False, needs_host_tokens=needs_host)
         if self.sched.running:
             return self._plan_decode()
@@ -173,9 +177,29 @@ class BatchPlanner:
             return None
         self.new_token_ratio = max(MIN_NEW_TOKEN_RATIO, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY)
         parts = self._next_token_parts(reqs)
-        # Jumped-forward requests feed several tokens: then it is an extend batch, last row each.
+        if self.num_drafts:
+            parts = [self._with_drafts(p) for p in parts]
+        # Jumped-forward requests feed several tokens, speculating ones their drafts: then it is
+        # an extend batch (the last row each, every row of a speculating one).
         return StepPlan(parts, decode=all(p.extend_len == 1 for p in parts),
-                        needs_host_tokens=any(_needs_host_tokens(r) for r in reqs))
+                        needs_host_tokens=any(_needs_host_tokens(r) for r in reqs) or bool(self.num_drafts))
+
+    def _with_drafts(self, part: ExtendPlan) -> ExtendPlan:
+        """The part with n-gram drafts after its token, when the request can speculate and
+        free KV holds them. Drafting reads the newest token, so speculation runs in lockstep."""
+        req = part.req
+        sp = req.sampling_params
+        if part.extend_len != 1 or not _can_speculate(req):
+            return part
+        room = min(self.num_drafts, sp.max_new_tokens - len(req.output_ids) - 1,
+                   self.sched.context_len - req.seq_len - 1)
+        drafts = propose_ngram(req.fill_ids, room, self.args.speculative_ngram_max_match_window_size,
+                               self.args.speculative_ngram_min_match_window_size) if room > 0 else []
+        slots = self.sched.kv.alloc_more(req, len(drafts)) if drafts else None
+        if not slots:
+            return part
+        n = 1 + len(drafts)
+        return ExtendPlan(req, part.start, n, part.slots + slots, part.start, n, drafts=drafts)
 
     def _ends_with_pending_token(self, req: Req) -> bool:
         if not req.pending_tokens:
@@ -221,6 +245,15 @@ def _extend_part(req: Req, extend_len: int, slots: list[int]) -> ExtendPlan:
     return ExtendPlan(req, req.kv_len, extend_len, slots, first, max(0, end - first),
                       samples=completes and req.sampling_params.max_new_tokens > 0,
                       input_logprobs=input_logprobs and end > first)
+
+
+def _can_speculate(req: Req) -> bool:
+    """Whether drafts can be verified for `req` with outputs exactly as without them: not while
+    a grammar, a penalty, min_new_tokens or logprobs shape each token."""
+    sp = req.sampling_params
+    return (req.grammar is None and not req.logprob.return_logprob and not sp.frequency_penalty
+            and not sp.presence_penalty and sp.repetition_penalty == 1.0 and req.pending_tokens == 0
+            and len(req.output_ids) >= sp.min_new_tokens)
 
 
 def _needs_host_tokens(req: Req) -> bool:

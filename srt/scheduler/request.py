@@ -54,6 +54,9 @@ class Req:
     alloc_len: int = 0  # table positions with slots allocated (>= kv_len while a forward runs)
     last_node: Any = None
     cached_tokens: int = 0  # prompt tokens served from the cache, for meta_info
+    # Speculative decoding: verify forwards run for this request, and draft tokens accepted.
+    spec_verify_ct: int = 0
+    spec_accepted: int = 0
 
     # Results for logprobs: lists of (logprob, token_id) and top-k lists per token.
     input_token_logprobs: list[tuple[float | None, int]] = field(default_factory=list)

@@ -69,6 +69,28 @@ class RequestKV:
             req.alloc_len = req.kv_len + 1
         return slots
 
+    def alloc_more(self, req: Req, new_len: int) -> list[int] | None:
+        """Slots for `new_len` tokens after those already allocated (speculative drafts), from
+        free memory only: None, taking nothing, when it is short (drafts are never worth an
+        eviction)."""
+        if self.allocator.slots_needed(req.alloc_len, new_len) > self.allocator.available_size:
+            return None
+        row = req.req_pool_idx
+        last = int(self.req_table.table[row, req.alloc_len - 1]) if req.alloc_len else None
+        slots = self.allocator.alloc(req.alloc_len, new_len, last)
+        if slots is not None:
+            self.req_table.table[row, req.alloc_len:req.alloc_len + new_len] = slots
+            req.alloc_len += new_len
+        return slots
+
+    def truncate(self, req: Req) -> None:
+        """Frees the slots allocated past kv_len (rejected drafts), whole pages only: the rest of
+        the last page stays the request's, where its next tokens go."""
+        keep = -(-req.kv_len // self.page_size) * self.page_size
+        if req.alloc_len > keep:
+            self.allocator.free(self.req_table.table[req.req_pool_idx, keep:req.alloc_len].tolist())
+        req.alloc_len = req.kv_len
+
     def cache_unfinished(self, req: Req) -> None:
         """Inserts a running request's computed tokens into the tree and locks them, so they
         are shared before it finishes; its table row then points at the tree's slots."""

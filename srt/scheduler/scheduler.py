@@ -177,11 +177,16 @@ class Scheduler:
             req = step.plan.parts[index].req
             req.input_token_logprobs.extend(token_logprobs)
             req.input_top_logprobs.extend(top_logprobs)
-        for i, (req, token) in enumerate(zip(step.plan.sampling_reqs, result.tokens)):
+        sampling_parts = [p for p in step.plan.parts if p.samples]
+        for i, (part, token) in enumerate(zip(sampling_parts, result.tokens)):
+            req = part.req
             req.pending_tokens -= 1
             if req.finished:  # aborted, or ended by the token before: this one is dropped
                 continue
             self._stepped.append(req)
+            if i in result.spec_tokens:
+                self._commit_speculated(req, part.start, result.spec_tokens[i])
+                continue
             req.output_ids.append(token)
             if result.output_logprobs and result.output_logprobs[i] is not None:
                 chosen, top = result.output_logprobs[i]
@@ -196,6 +201,25 @@ class Scheduler:
             if reason is not None:
                 req.finish_reason = reason
                 self.kv.release(req)
+
+    def _commit_speculated(self, req: Req, start: int, tokens: list[int]) -> None:
+        """A verify step's tokens: the accepted drafts and the model's next token, appended one
+        by one as if decoded (a stop ends it there). KV is valid through the last accepted
+        draft; the slots of rejected drafts are freed."""
+        req.spec_verify_ct += 1
+        req.spec_accepted += len(tokens) - 1
+        reason = None
+        for token in tokens:
+            req.output_ids.append(token)
+            reason = check_finished(req, self.eos_ids, self.context_len, self.tokenizer)
+            if reason is not None:
+                break
+        req.kv_len = min(req.seq_len, start + len(tokens))
+        if reason is not None:
+            req.finish_reason = reason
+            self.kv.release(req)
+        else:
+            self.kv.truncate(req)
 
     # ---- introspection ---------------------------------------------------------------------------
 

@@ -32,6 +32,9 @@ class ExtendPlan:
     logit_count: int
     samples: bool = True  # its last kept row draws the request's next token
     input_logprobs: bool = False  # its kept rows score prompt tokens (logprob_start_len)
+    # Speculative decoding: draft tokens fed after the request's newest token (their KV goes to
+    # the last len(drafts) slots); every row is kept, and the engine verifies the drafts.
+    drafts: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -62,6 +65,9 @@ class StepResult:
     output_logprobs: list[TokenLogprob | None] = field(default_factory=list)
     # Prompt logprobs per part index that asked: (logprob or None, token) and top lists.
     input_logprobs: dict[int, tuple[list[tuple[float | None, int]], list[Any]]] = field(default_factory=dict)
+    # Speculative parts, by sampling index: every token the step produced (the accepted drafts,
+    # then the model's own next token); tokens[i] is the first of them.
+    spec_tokens: dict[int, list[int]] = field(default_factory=dict)
 
 
 class PendingStep:

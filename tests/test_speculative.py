@@ -1,0 +1,108 @@
+"""Speculative decoding with n-gram drafts (`--speculative-algorithm ngram`) on the default model:
+greedy output exactly as without it, fewer verify forwards than tokens where the output copies
+the prompt, no KV leaked by rejected drafts or aborts, and rejection sampling that keeps the
+model's distribution."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from radixlm.srt.executor.speculative import verify_drafts
+from radixlm.srt.sampling_params import SamplingParams
+from radixlm.srt.scheduler.ngram import propose_ngram
+from radixlm.srt.scheduler.request import Req
+
+DOC = ("Invoice 4471. Customer: Maria Lopez, 12 Harbor Street, Lisbon. Items: 3 blue chairs at 45 euros, "
+       "1 oak table at 300 euros. Total: 435 euros. Due date: 14 March 2026.")
+COPY = f"<|im_start|>user\nRepeat this text exactly:\n{DOC}<|im_end|>\n<|im_start|>assistant\n{DOC[:20]}"
+PROMPTS = [COPY, "The capital of France is", "def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n"]
+
+
+@pytest.fixture(scope="module")
+def spec_engine():
+    from radixlm.srt import Engine
+
+    eng = Engine(max_total_tokens=8192, speculative_algorithm="ngram", speculative_num_draft_tokens=4)
+    yield eng
+    eng.shutdown()
+
+
+def run_reqs(engine, prompts, max_new_tokens=40):
+    sched = engine.scheduler
+    reqs = [Req(rid=f"spec-{i}", origin_input_ids=engine.tokenizer.encode(p, add_special_tokens=False),
+                sampling_params=SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0))
+            for i, p in enumerate(prompts)]
+    for req in reqs:
+        sched.add_request(req)
+    while sched.has_work:
+        sched.step()
+    return reqs
+
+
+def test_ngram_proposals():
+    assert propose_ngram([1, 2, 3, 9, 1, 2], 3) == [3, 9, 1]  # "1 2" seen before, followed by 3 9 1
+    assert propose_ngram([5, 6, 7], 2) == []
+    assert propose_ngram([4, 4, 4], 2, max_match=2) == [4]  # latest earlier match, what follows it
+    assert propose_ngram([1, 2, 1, 2, 1, 2], 4) == [1, 2]
+
+
+def test_greedy_output_is_unchanged_and_copying_takes_fewer_forwards(engine, spec_engine):
+    plain = run_reqs(engine, PROMPTS)
+    fast = run_reqs(spec_engine, PROMPTS)
+    for a, b in zip(plain, fast):
+        assert a.output_ids == b.output_ids and a.finish_reason == b.finish_reason
+        assert a.spec_verify_ct == 0
+    copy = fast[0]
+    assert copy.spec_accepted > 0 and copy.spec_verify_ct < len(copy.output_ids), \
+        (copy.spec_verify_ct, copy.spec_accepted, len(copy.output_ids))
+    stats = spec_engine.scheduler.kv_stats()
+    assert stats["leaked"] == 0 and stats["held_by_requests"] == 0
+
+
+def test_engine_generate_with_speculation_matches(engine, spec_engine):
+    params = {"temperature": 0, "max_new_tokens": 24, "stop": ["Total"]}
+    assert [o["text"] for o in spec_engine.generate(PROMPTS, params)] == \
+        [o["text"] for o in engine.generate(PROMPTS, params)]
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_abort_mid_speculation_leaks_nothing(page_size):
+    from radixlm.srt import Engine
+
+    eng = Engine(max_total_tokens=4096, page_size=page_size, speculative_algorithm="ngram")
+    try:
+        sched = eng.scheduler
+        req = Req(rid="abort-me", origin_input_ids=eng.tokenizer.encode(COPY, add_special_tokens=False),
+                  sampling_params=SamplingParams(max_new_tokens=60, temperature=0.0))
+        sched.add_request(req)
+        while req.spec_verify_ct < 3:
+            sched.step()
+        assert sched.abort("abort-me") is req
+        while sched.has_work:
+            sched.step()
+        stats = sched.kv_stats()
+        assert stats["leaked"] == 0 and stats["protected"] == 0 and stats["held_by_requests"] == 0
+        out = eng.generate(COPY, {"temperature": 0, "max_new_tokens": 30})
+        assert sched.kv_stats()["leaked"] == 0 and out["meta_info"]["completion_tokens"] == 30
+    finally:
+        eng.shutdown()
+
+
+def test_rejection_sampling_keeps_the_distribution():
+    """The first token of a verify step is distributed as the model's p, whatever the draft:
+    chi-square over 6 tokens, 6000 draws with a fixed seed (critical value 20.5 at p = 0.001)."""
+    logits = torch.tensor([[1.0, 0.2, 2.0, -1.0, 0.5, 0.0], [0.3, 0.3, 0.3, 0.3, 0.3, 3.0]])
+    p = torch.softmax(logits[0], dim=-1)
+    req = Req(rid="r", origin_input_ids=[1], sampling_params=SamplingParams(temperature=1.0, seed=1234))
+    counts = torch.zeros(6)
+    draws = 6000
+    for _ in range(draws):
+        out = verify_drafts(req, logits, [2])
+        counts[out[0]] += 1
+        assert len(out) in (1, 2) and (len(out) == 1 or out[0] == 2)
+    expected = p * draws
+    chi2 = float(((counts - expected) ** 2 / expected).sum())
+    assert chi2 < 20.5, (chi2, counts.tolist(), expected.tolist())
+    # A draft the model finds likely is accepted about as often as p says.
+    assert abs(counts[2] / draws - float(p[2])) < 0.03
