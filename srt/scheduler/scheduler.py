@@ -66,6 +66,8 @@ class Scheduler:
         self.pending: PendingStep | None = None  # launched, not committed yet
         self.in_flight: list[Req] = []  # the requests of the step being launched or run
         self._stepped: list[Req] = []  # requests that produced something since step() began
+        self.spec_verify_steps = 0  # speculative verify parts committed, and the drafts they accepted
+        self.spec_accepted_tokens = 0
 
     @property
     def overlap(self) -> bool:
@@ -208,6 +210,8 @@ class Scheduler:
         draft; the slots of rejected drafts are freed."""
         req.spec_verify_ct += 1
         req.spec_accepted += len(tokens) - 1
+        self.spec_verify_steps += 1
+        self.spec_accepted_tokens += len(tokens) - 1
         reason = None
         for token in tokens:
             req.output_ids.append(token)
@@ -232,7 +236,15 @@ class Scheduler:
             "context_len": self.context_len,
             "max_total_tokens": self.allocator.capacity,
             "page_size": self.args.page_size,
+            "speculative": self.spec_stats(),
         }
+
+    def spec_stats(self) -> dict[str, Any]:
+        """Verify steps and the tokens each produced on average (accepted drafts + 1)."""
+        steps = self.spec_verify_steps
+        return {"algorithm": self.args.speculative_algorithm, "verify_steps": steps,
+                "accepted_tokens": self.spec_accepted_tokens,
+                "mean_accepted_length": round(1 + self.spec_accepted_tokens / steps, 3) if steps else None}
 
     def kv_stats(self) -> dict[str, Any]:
         """KV accounting; `leaked` must be 0 when no request holds memory."""
