@@ -11,7 +11,6 @@ client. Runs alternate and the median is kept; the goal is at most 10% slower. J
 from __future__ import annotations
 
 import argparse
-import json
 import shlex
 import statistics
 import sys
