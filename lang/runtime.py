@@ -39,17 +39,20 @@ _SERVER_COMMAND = [sys.executable, "-m", "radixlm.srt.launch"]
 
 class Runtime(Backend):
     """`Runtime(model_path=None, **server_args)`: server_args are `radixlm serve` flags with
-    underscores (max_total_tokens=16384, api_key="...", ...); `port` defaults to a free one."""
+    underscores (max_total_tokens=16384, api_key="...", ...); `port` defaults to a free one.
+    With `verbose` (the default) the server's progress lines (loading, converting the weights on
+    a first run, warming up) are relayed to stderr while it starts: a first start takes a while."""
 
     def __init__(self, model_path: str | None = None, *, startup_timeout: float = 600.0, log_level: str = "warning",
-                 **server_args: Any):
+                 verbose: bool = True, **server_args: Any):
         unknown = sorted(set(server_args) - _server_flags())
         if unknown:
             raise TypeError(f"Runtime() got unexpected server arguments {unknown}")
         self.port = int(server_args.pop("port", None) or _free_port())
         host = server_args.pop("host", "127.0.0.1")
         self.url = f"http://{host}:{self.port}"
-        self.api_key = server_args.get("api_key")
+        self.api_key = server_args.pop("api_key", None)
+        self._relay = _ProgressRelay() if verbose else None
         args = [*_SERVER_COMMAND, "--host", host, "--port", str(self.port), "--log-level", log_level]
         if model_path is not None:
             args += ["--model-path", str(model_path)]
@@ -57,9 +60,17 @@ class Runtime(Backend):
             args += _flag(name, value)
         self.log_path = os.path.join(tempfile.gettempdir(), f"radixlm-runtime-{self.port}.log")
         self._log = open(self.log_path, "w")
+        env = dict(os.environ)
+        env.pop("RADIXLM_API_KEY", None)  # the server asks for the key this object was given, or none
+        if self.api_key:  # through the environment: a command line is visible to every user
+            env["RADIXLM_API_KEY"] = str(self.api_key)
+        if self._relay is not None:
+            env["RADIXLM_PROGRESS"] = "1"  # progress bars even though the log is not a terminal
+            print(f"[radixlm] starting a server on port {self.port} (log: {self.log_path})", file=sys.stderr,
+                  flush=True)
         # Own session: a Ctrl-C meant for the user's program does not hit the server first.
         self._proc: subprocess.Popen | None = subprocess.Popen(
-            args, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
+            args, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
         atexit.register(self.shutdown)
         try:
             self._wait_healthy(startup_timeout)
@@ -76,9 +87,13 @@ class Runtime(Backend):
             if self._proc is None or self._proc.poll() is not None:
                 code = None if self._proc is None else self._proc.returncode
                 raise RuntimeError(f"the server exited with code {code} while starting:\n{self.log_tail()}")
+            if self._relay is not None:
+                self._relay.relay(self.log_path)
             try:
                 with urllib.request.urlopen(self.url + "/health", timeout=2) as response:
                     if response.status == 200:
+                        if self._relay is not None:
+                            self._relay.relay(self.log_path)
                         return
             except OSError:
                 pass
@@ -147,6 +162,36 @@ def _server_flags() -> frozenset[str]:
     usage = subprocess.run([*_SERVER_COMMAND, "--help"], capture_output=True, text=True, check=True,
                            timeout=120).stdout
     return frozenset(f[2:].replace("-", "_") for f in re.findall(r"--[a-z][a-z0-9-]*", usage)) - {"help"}
+
+
+class _ProgressRelay:
+    """Copies the server log's progress lines ("[radixlm] ..." and tqdm bars) to stderr."""
+
+    def __init__(self) -> None:
+        self._offset = 0
+        self._bar_open = False
+
+    def relay(self, log_path: str) -> None:
+        with open(log_path, "rb") as f:
+            f.seek(self._offset)
+            chunk = f.read()
+        end = max(chunk.rfind(b"\n"), chunk.rfind(b"\r"))
+        if end < 0:
+            return
+        self._offset += end + 1
+        for raw in re.split(rb"(\r|\n)", chunk[:end + 1]):
+            line = raw.decode(errors="replace").strip()
+            if line.startswith("[radixlm]"):
+                self._end_bar()
+                print(line, file=sys.stderr, flush=True)
+            elif "%|" in line:  # a tqdm bar
+                print(f"\r[radixlm] {line}", end="", file=sys.stderr, flush=True)
+                self._bar_open = True
+
+    def _end_bar(self) -> None:
+        if self._bar_open:
+            print(file=sys.stderr, flush=True)
+            self._bar_open = False
 
 
 def _flag(name: str, value: Any) -> list[str]:
