@@ -190,7 +190,7 @@ def _launch(args: ServerArgs, sock: Any, served_model_name: str | None, log_leve
                           children.addr("tokenizer"),
                           max_in_flight=args.max_running_requests + args.max_queued_requests)
     state = ServerState(tm, args.model_path or meta.model_path, dataclasses.asdict(args), warm=False)
-    app = create_app(state, args.api_key, args.max_request_bytes)
+    app = create_app(state, args.api_key, args.max_request_bytes, args.rate_limit_rpm)
     register_openai_routes(app, lambda: tm, model_name, ChatOptions(args.tool_call_parser, args.reasoning_parser))
     host, port = sock.getsockname()[:2]
     server = Server(uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5),

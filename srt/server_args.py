@@ -49,6 +49,8 @@ class ServerArgs:
     port: int = _arg(30000, "HTTP port; a busy one is refused before the model loads")
     api_key: str | None = _arg(None, "require Authorization: Bearer <key> on every route but /health; "
                                      "unset: taken from $RADIXLM_API_KEY if set (keeps it off the command line)")
+    rate_limit_rpm: int = _arg(0, "generation requests a client (its API key, else its address) may send per "
+                                  "minute; more get 429 with Retry-After; 0: no limit")
     max_request_bytes: int = _arg(8 * 2**20, "request bodies larger than this get 413")
     graceful_shutdown_timeout: float = _arg(30.0, "seconds SIGTERM waits for running requests to finish "
                                                   "before failing them and exiting")
@@ -85,6 +87,8 @@ class ServerArgs:
             self._check_speculative()
         if self.max_queued_requests < 0:
             raise ValueError("max_queued_requests: must be >= 0")
+        if self.rate_limit_rpm < 0:
+            raise ValueError("rate_limit_rpm: must be >= 0")
         if self.max_request_bytes < 1:
             raise ValueError("max_request_bytes: must be >= 1")
         if self.graceful_shutdown_timeout < 0:

@@ -246,3 +246,43 @@ def test_abort_all_with_the_key_ends_every_request(guarded):
     assert reply.status_code == 200 and reply.json()["meta_info"]["finish_reason"]["type"] == "abort"
     _assert_no_leak(guarded)
     assert os.path.exists(f"/proc/{guarded.proc.pid}")
+
+
+# ---- per-client rate limit (the guard alone: no model needed) -------------------------------------
+
+def test_rate_limit_per_api_key_is_429_with_retry_after_and_counted():
+    from radixlm.srt.server.guard import Guard, RateLimiter
+    from radixlm.srt.server.metrics import Metrics
+
+    class State:
+        serving, not_serving_reason = True, ""
+
+        class tm:  # noqa: N801  (stands in for the TokenizerManager)
+            metrics = Metrics()
+
+            @staticmethod
+            def is_full(adding: int = 1) -> bool:
+                return False
+
+    async def ok_app(scope, receive, send):
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"{}"})
+
+    guard = Guard(ok_app, State, api_key=None, max_request_bytes=1024, rate_limit_rpm=2)
+
+    async def run():
+        transport = httpx.ASGITransport(app=guard)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as c:
+            alice = [await c.post("/generate", json={}, headers={"Authorization": "Bearer alice"}) for _ in range(3)]
+            bob = await c.post("/v1/completions", json={}, headers={"Authorization": "Bearer bob"})
+            other_route = await c.post("/tokenize", json={}, headers={"Authorization": "Bearer alice"})
+            return alice, bob, other_route
+
+    alice, bob, other_route = asyncio.run(run())
+    assert [r.status_code for r in alice] == [200, 200, 429]
+    assert 1 <= int(alice[2].headers["retry-after"]) <= 60 and "--rate-limit-rpm" in alice[2].json()["error"]["message"]
+    assert bob.status_code == 200 and other_route.status_code == 200  # per client, generation routes only
+    assert 'reason="rate_limited"} 1.0' in State.tm.metrics.render().decode()
+    limiter = RateLimiter(1)
+    assert limiter.wait_s(b"k", now=0.0) == 0 and limiter.wait_s(b"k", now=30.0) == 30.0
+    assert limiter.wait_s(b"k", now=60.0) == 0  # the window slid past the first request

@@ -5,7 +5,10 @@ the server is not serving, 429 when it holds as many requests as it may)."""
 
 from __future__ import annotations
 
+import collections
+import math
 import secrets
+import time
 from typing import Any
 
 from radixlm.srt.server.errors import error_response
@@ -26,19 +29,49 @@ def bearer_token(authorization: bytes) -> bytes | None:
     return token.strip() if scheme.lower() == b"bearer" and token.strip() else None
 
 
+class RateLimiter:
+    """At most `per_minute` generation requests per client in any 60 s window. A client is the
+    Authorization header it sends (its API key), or without one its address; so with --api-key
+    every holder of the key shares one budget."""
+
+    WINDOW_S = 60.0
+
+    def __init__(self, per_minute: int):
+        self.per_minute = per_minute
+        self._seen: dict[bytes, collections.deque] = {}
+
+    def wait_s(self, client: bytes, now: float | None = None) -> float:
+        """0 when the request may go (and counts it), else seconds until it may."""
+        now = time.monotonic() if now is None else now
+        times = self._seen.setdefault(client, collections.deque())
+        while times and now - times[0] >= self.WINDOW_S:
+            times.popleft()
+        if len(times) >= self.per_minute:
+            return self.WINDOW_S - (now - times[0])
+        times.append(now)
+        if len(self._seen) > 10_000:  # forget idle clients rather than grow without bound
+            self._seen = {k: v for k, v in self._seen.items() if v and now - v[-1] < self.WINDOW_S}
+        return 0.0
+
+
 class Guard:
     """`state` is the app's ServerState: its tokenizer manager (fullness), health and draining
     flags, and metrics (rejections are counted by reason)."""
 
-    def __init__(self, app: Any, state: Any, api_key: str | None, max_request_bytes: int):
+    def __init__(self, app: Any, state: Any, api_key: str | None, max_request_bytes: int,
+                 rate_limit_rpm: int = 0):
         self.app = app
         self.state = state
         self.api_key = api_key.encode() if api_key else None
         self.max_bytes = max_request_bytes
+        self.limiter = RateLimiter(rate_limit_rpm) if rate_limit_rpm > 0 else None
 
-    def _refuse(self, reason: str, status: int, message: str) -> Any:
+    def _refuse(self, reason: str, status: int, message: str, retry_after_s: float | None = None) -> Any:
         self.state.tm.metrics.on_rejected(reason)
-        return error_response(status, message)
+        response = error_response(status, message)
+        if retry_after_s is not None:
+            response.headers["Retry-After"] = str(max(1, math.ceil(retry_after_s)))
+        return response
 
     def _check(self, scope: Any, headers: dict[bytes, bytes]) -> Any:
         length = headers.get(b"content-length", b"0")
@@ -52,6 +85,12 @@ class Guard:
             state = self.state
             if not state.serving:
                 return self._refuse("unavailable", 503, f"not serving: {state.not_serving_reason}")
+            if self.limiter is not None:
+                client = headers.get(b"authorization") or str((scope.get("client") or ("",))[0]).encode()
+                wait = self.limiter.wait_s(client)
+                if wait > 0:
+                    return self._refuse("rate_limited", 429, f"more than {self.limiter.per_minute} requests in a "
+                                        "minute (--rate-limit-rpm); retry later", wait)
             if state.tm.is_full():
                 return self._refuse("queue_full", 429, "the server holds as many requests as it may "
                                     "(--max-queued-requests); retry later")

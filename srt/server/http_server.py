@@ -53,11 +53,12 @@ class ServerState:
         return "" if self.warm else "warming up"
 
 
-def create_app(state: ServerState, api_key: str | None,
-               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
+def create_app(state: ServerState, api_key: str | None, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+               rate_limit_rpm: int = 0) -> FastAPI:
     app = FastAPI(title="radixlm", docs_url=None, redoc_url=None)
     app.state.server = state
-    app.add_middleware(Guard, state=state, api_key=api_key, max_request_bytes=max_request_bytes)
+    app.add_middleware(Guard, state=state, api_key=api_key, max_request_bytes=max_request_bytes,
+                       rate_limit_rpm=rate_limit_rpm)
 
     @app.get("/health")
     async def health() -> Response:

@@ -38,7 +38,7 @@ class Metrics:
             self.e2e.observe(state.last_token_time - state.created)
 
     def on_rejected(self, reason: str) -> None:
-        """reason: queue_full, rate_limited, body_too_large, unauthorized, draining."""
+        """reason: queue_full, rate_limited, body_too_large, unauthorized, unavailable."""
         self.rejected.labels(reason=reason).inc()
 
     def observe_ttft(self, seconds: float) -> None:
