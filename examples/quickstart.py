@@ -9,6 +9,7 @@ says what it is doing while it starts.
 """
 
 import argparse
+import sys
 import time
 
 import radixlm as sgl
@@ -56,4 +57,8 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except KeyboardInterrupt:  # Ctrl-C: the server was stopped on the way out; no traceback
+        print("interrupted", file=sys.stderr)
+        sys.exit(130)
