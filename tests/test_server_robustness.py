@@ -273,7 +273,8 @@ def test_rate_limit_per_api_key_is_429_with_retry_after_and_counted():
     async def run():
         transport = httpx.ASGITransport(app=guard)
         async with httpx.AsyncClient(transport=transport, base_url="http://t") as c:
-            alice = [await c.post("/generate", json={}, headers={"Authorization": "Bearer alice"}) for _ in range(3)]
+            alice = [await c.post("/generate", json={}, headers={"Authorization": "Bearer alice"}) for _ in range(2)]
+            alice.append(await c.put("/generate", json={}, headers={"Authorization": "Bearer alice"}))  # PUT too
             bob = await c.post("/v1/completions", json={}, headers={"Authorization": "Bearer bob"})
             other_route = await c.post("/tokenize", json={}, headers={"Authorization": "Bearer alice"})
             return alice, bob, other_route

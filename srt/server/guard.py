@@ -81,7 +81,7 @@ class Guard:
             token = bearer_token(headers.get(b"authorization", b""))
             if token is None or not secrets.compare_digest(token, self.api_key):
                 return self._refuse("unauthorized", 401, "missing or wrong API key (Authorization: Bearer <key>)")
-        if scope["method"] == "POST" and scope["path"] in GENERATION_PATHS:
+        if scope["method"] in ("POST", "PUT") and scope["path"] in GENERATION_PATHS:
             state = self.state
             if not state.serving:
                 return self._refuse("unavailable", 503, f"not serving: {state.not_serving_reason}")
