@@ -72,7 +72,7 @@ class Engine:
                                  req.output_top_logprobs)
         progress = Progress(text=final_text(self.tokenizer, req.output_ids, req.sampling_params, finish),
                             output_ids=req.output_ids, cached_tokens=req.cached_tokens, finish_reason=finish,
-                            e2e_latency=latency, logprobs=logprobs)
+                            e2e_latency=latency, logprobs=logprobs, spec_verify_ct=req.spec_verify_ct)
         return result(msg, progress, self.tokenizer, with_text)
 
     def flush_cache(self) -> bool:

@@ -74,6 +74,9 @@ class ReqOutput:
     input_top_logprobs: list[Any] | None = None
     output_token_logprobs: list[list[Any]] | None = None
     output_top_logprobs: list[Any] | None = None
+    # Speculative decoding: verify forwards so far, and the draft tokens they accepted.
+    spec_verify_ct: int = 0
+    spec_accepted: int = 0
 
 
 @dataclass(frozen=True)

@@ -33,6 +33,7 @@ class Progress:
     finish_reason: dict[str, Any] | None
     e2e_latency: float
     logprobs: LogprobRecord
+    spec_verify_ct: int = 0  # speculative verify forwards (SGLang reports it when speculating)
 
 
 def final_text(tokenizer: Any, output_ids: list[int], sp: SamplingParams,
@@ -68,6 +69,8 @@ def result(msg: TokenizedGenerateReq, progress: Progress, tokenizer: Any, text_i
         "finish_reason": progress.finish_reason,
         "e2e_latency": progress.e2e_latency,
     }
+    if progress.spec_verify_ct:
+        meta["spec_verify_ct"] = progress.spec_verify_ct
     if msg.return_logprob:
         meta.update(logprob_meta(tokenizer, text_in_logprobs, msg.top_logprobs_num, progress.logprobs))
     return {"text": progress.text, "output_ids": list(progress.output_ids), "meta_info": meta}

@@ -62,8 +62,9 @@ def test_greedy_output_is_unchanged_and_copying_takes_fewer_forwards(engine, spe
 
 def test_engine_generate_with_speculation_matches(engine, spec_engine):
     params = {"temperature": 0, "max_new_tokens": 24, "stop": ["Total"]}
-    assert [o["text"] for o in spec_engine.generate(PROMPTS, params)] == \
-        [o["text"] for o in engine.generate(PROMPTS, params)]
+    fast = spec_engine.generate(PROMPTS, params)
+    assert [o["text"] for o in fast] == [o["text"] for o in engine.generate(PROMPTS, params)]
+    assert fast[0]["meta_info"]["spec_verify_ct"] > 0
 
 
 @pytest.mark.parametrize("page_size", [1, 4])
@@ -106,3 +107,28 @@ def test_rejection_sampling_keeps_the_distribution():
     assert chi2 < 20.5, (chi2, counts.tolist(), expected.tolist())
     # A draft the model finds likely is accepted about as often as p says.
     assert abs(counts[2] / draws - float(p[2])) < 0.03
+
+
+def test_server_reports_verify_forwards_and_accepted_length(server):
+    """meta_info.spec_verify_ct (SGLang's name) per request, the mean accepted length in
+    /metrics and /get_server_info; greedy text as the plain server's."""
+    from server_helpers import ServerProcess
+
+    body = {"text": COPY, "sampling_params": {"temperature": 0, "max_new_tokens": 32}}
+    plain = server.client().post("/generate", json=body).json()
+    spec = ServerProcess("--max-total-tokens", "8192", "--speculative-algorithm", "NGRAM")
+    try:
+        with spec.client() as client:
+            def verify_steps() -> float:  # the warm-up request at start counts too
+                return float(next(line.split()[-1] for line in client.get("/metrics").text.splitlines()
+                                  if line.startswith("radixlm_spec_verify_steps_total")))
+
+            before = verify_steps()
+            out = client.post("/generate", json=body).json()
+            assert out["text"] == plain["text"] and "spec_verify_ct" not in plain["meta_info"]
+            assert 0 < out["meta_info"]["spec_verify_ct"] < out["meta_info"]["completion_tokens"]
+            assert verify_steps() - before == out["meta_info"]["spec_verify_ct"]
+            info = client.get("/get_server_info").json()
+            assert info["speculative"]["mean_accepted_length"] > 1.0
+    finally:
+        spec.stop()

@@ -64,7 +64,7 @@ class ChatCompletions:
         try:
             body = await parse_body(request, ChatCompletionRequest)
             body.check_unsupported()
-            run = self.prepare(body)
+            run = await asyncio.to_thread(self.prepare, body)  # tokenizing a long chat must not block the loop
         except OpenAIError as e:
             return error_response(e)
         envelope = self.api.envelope("chatcmpl", "chat.completion")

@@ -13,7 +13,7 @@ from fastapi.responses import Response
 
 from radixlm.srt.server import generate_route
 from radixlm.srt.server.errors import error_response
-from radixlm.srt.server.generate_route import field_of, json_body  # noqa: F401  (tokenize_routes imports field_of from here)
+from radixlm.srt.server.generate_route import json_body
 from radixlm.srt.server.guard import Guard
 from radixlm.srt.server.openapi_docs import document_bodies
 from radixlm.srt.server.tokenize_routes import add_tokenize_routes

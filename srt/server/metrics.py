@@ -18,6 +18,10 @@ class Metrics:
         self.prompt_tokens = Counter("radixlm_prompt_tokens", "Prompt tokens of finished requests", registry=r)
         self.cached_tokens = Counter("radixlm_cached_prompt_tokens", "Prompt tokens served from the radix cache", registry=r)
         self.generation_tokens = Counter("radixlm_generation_tokens", "Generated tokens", registry=r)
+        # Speculative decoding's mean accepted length is 1 + accepted / verify steps.
+        self.spec_verify_steps = Counter("radixlm_spec_verify_steps", "Speculative verify forwards", registry=r)
+        self.spec_accepted = Counter("radixlm_spec_accepted_tokens", "Draft tokens accepted by verification",
+                                     registry=r)
         self.ttft = Histogram("radixlm_time_to_first_token_seconds", "Time to first token", buckets=_LATENCY_BUCKETS, registry=r)
         self.itl = Histogram("radixlm_inter_token_latency_seconds", "Time between output tokens", buckets=_LATENCY_BUCKETS, registry=r)
         self.e2e = Histogram("radixlm_e2e_request_latency_seconds", "Request latency", buckets=_LATENCY_BUCKETS, registry=r)
@@ -34,6 +38,8 @@ class Metrics:
         self.prompt_tokens.inc(state.prompt_tokens)
         self.cached_tokens.inc(state.cached_tokens)
         self.generation_tokens.inc(len(state.output_ids))
+        self.spec_verify_steps.inc(state.spec_verify_ct)
+        self.spec_accepted.inc(state.spec_accepted)
         if state.last_token_time is not None:
             self.e2e.observe(state.last_token_time - state.created)
 

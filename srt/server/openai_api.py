@@ -75,7 +75,7 @@ class OpenAIServing:
         try:
             body = await parse_body(request, CompletionRequest)
             body.check_unsupported()
-            job = self._completion_job(body)
+            job = await asyncio.to_thread(self._completion_job, body)  # tokenizing off the event loop
         except OpenAIError as e:
             return error_response(e)
         envelope = self.envelope("cmpl", "text_completion")

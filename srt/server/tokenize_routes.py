@@ -19,14 +19,14 @@ import orjson
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
+from radixlm.srt.server.errors import error_response
+from radixlm.srt.server.generate_route import field_of
+
 _FIELDS = {"prompt", "add_special_tokens", "model"}
 
 
 def add_tokenize_routes(app: FastAPI, state: Any) -> None:
     """Registers the routes on `app`; `state` is the app's ServerState (its `tm` tokenizes)."""
-    # Imported here: http_server imports this module, so a top-level import would be circular.
-    from radixlm.srt.server.http_server import error_response, field_of
-
     @app.post("/tokenize")
     @app.post("/v1/tokenize")
     async def tokenize(request: Request) -> Response:

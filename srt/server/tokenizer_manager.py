@@ -38,6 +38,8 @@ class _ReqState:
     output_ids: list[int] = field(default_factory=list)
     finish_reason: dict[str, Any] | None = None
     cached_tokens: int = 0
+    spec_verify_ct: int = 0
+    spec_accepted: int = 0
     logprobs: LogprobRecord = field(default_factory=LogprobRecord)
     first_token_time: float | None = None
     last_token_time: float | None = None
@@ -211,6 +213,7 @@ class TokenizerManager:
         state.text += out.text_delta
         state.output_ids.extend(o.new_token_ids)
         state.cached_tokens = o.cached_tokens
+        state.spec_verify_ct, state.spec_accepted = o.spec_verify_ct, o.spec_accepted
         record = state.logprobs
         record.input_token.extend(o.input_token_logprobs or [])
         record.input_top.extend(o.input_top_logprobs or [])
@@ -226,5 +229,5 @@ class TokenizerManager:
             text = trim_at_stop(text, state.msg.sampling_params, state.finish_reason)
         progress = Progress(text=text, output_ids=state.output_ids, cached_tokens=state.cached_tokens,
                             finish_reason=state.finish_reason, e2e_latency=time.perf_counter() - state.created,
-                            logprobs=state.logprobs)
+                            logprobs=state.logprobs, spec_verify_ct=state.spec_verify_ct)
         return result(state.msg, progress, self.tokenizer, state.text_in_logprobs)

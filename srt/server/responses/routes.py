@@ -8,6 +8,7 @@ turn runs as a chat completion with one choice, and its message comes back as ou
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any, AsyncIterator
 
 from fastapi import FastAPI, Request
@@ -52,7 +53,7 @@ class ResponsesRoutes:
     async def create(self, request: Request) -> Response:
         try:
             body = await parse_body(request, ResponsesRequest)
-            history, run = self._prepare(body)
+            history, run = await asyncio.to_thread(self._prepare, body)  # tokenizing off the event loop
         except OpenAIError as e:
             return error_response(e)
         response_id = new_id("resp")
