@@ -146,6 +146,9 @@ def _launch(args: ServerArgs, sock: Any, served_model_name: str | None, log_leve
                           with_weights=False)
         if meta.tokenizer is None:
             raise SystemExit("the model has no tokenizer; pass --tokenizer-path")
+        if args.chat_template is not None:  # chats render in this process only
+            with open(args.chat_template) as f:
+                meta.tokenizer.chat_template = f.read()
         return meta
 
     # Config and tokenizer for this process. Read while the children start (it takes seconds)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -54,6 +55,8 @@ class ServerArgs:
     max_request_bytes: int = _arg(8 * 2**20, "request bodies larger than this get 413")
     graceful_shutdown_timeout: float = _arg(30.0, "seconds SIGTERM waits for running requests to finish "
                                                   "before failing them and exiting")
+    chat_template: str | None = _arg(None, "a Jinja chat template file to render chats with instead of the "
+                                           "model's own")
     tool_call_parser: str | None = _arg(None, "hermes | llama3_json | mistral | json; unset: from the chat "
                                               "template")
     reasoning_parser: str | None = _arg(None, "qwen3 | deepseek-r1: the think block comes back as "
@@ -79,6 +82,8 @@ class ServerArgs:
             raise ValueError("grammar_compile_timeout: must be > 0")
         if self.cuda_graph_max_bs < 1:
             raise ValueError("cuda_graph_max_bs: must be >= 1")
+        if self.chat_template is not None and not os.path.isfile(self.chat_template):
+            raise ValueError(f"chat_template: no file at {self.chat_template!r}")
         if self.tool_call_parser is not None or self.reasoning_parser is not None:
             from radixlm.srt.server.chat import ChatOptions
 

@@ -54,6 +54,8 @@ class ChatTurn:
         """The assistant message for a complete output, and whether it calls tools."""
         reasoning, answer = self._split(text)
         content, calls = self._read_answer(answer)
+        if self.reasoning is not None and not content:
+            content = None  # all of it was reasoning
         message: dict[str, Any] = {"role": "assistant", "content": content}
         if calls:
             message["tool_calls"] = [c.to_openai() for c in calls]
