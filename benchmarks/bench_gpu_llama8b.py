@@ -200,22 +200,20 @@ def offline_workload(seed: int = 0, num: int = 1000):
     return random_prompts(rng, in_lens), out_lens
 
 
-def run_hf_baseline(rep: Reporter, prompts, out_lens, num: int = 128) -> float:
-    """HF `generate` (bf16, SDPA) on the first `num` requests in one left-padded batch; the batch
-    runs to the longest output, and only each request's own output tokens count."""
+def hf_generate_seconds(config_dir: Path, prompts, out_lens, attn: str = "sdpa") -> float:
+    """Seconds HF `generate` (bf16, random weights) takes for `prompts` in one left-padded batch,
+    run to the longest output (warmed up first; the model is freed after)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    cfg = AutoConfig.from_pretrained(str(CONFIG.parent))
+    cfg = AutoConfig.from_pretrained(str(config_dir))
     with torch.device("cuda"):
-        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16, attn_implementation="sdpa").eval()
-    prompts, out_lens = prompts[:num], out_lens[:num]
-    width = max(len(p) for p in prompts)
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16, attn_implementation=attn).eval()
+    num, width, new = len(prompts), max(len(p) for p in prompts), max(out_lens)
     ids = torch.zeros((num, width), dtype=torch.long, device="cuda")
     mask = torch.zeros_like(ids)
     for row, p in enumerate(prompts):
         ids[row, width - len(p):] = torch.tensor(p)
         mask[row, width - len(p):] = 1
-    new = max(out_lens)
     with torch.inference_mode():
         model.generate(input_ids=ids[:2, -16:], attention_mask=mask[:2, -16:], max_new_tokens=4, do_sample=False)
         torch.cuda.synchronize()
@@ -224,12 +222,20 @@ def run_hf_baseline(rep: Reporter, prompts, out_lens, num: int = 128) -> float:
                        pad_token_id=0)
         torch.cuda.synchronize()
         seconds = time.perf_counter() - start
+    del model
+    torch.cuda.empty_cache()
+    return seconds
+
+
+def run_hf_baseline(rep: Reporter, prompts, out_lens, num: int = 128) -> float:
+    """HF `generate` (bf16, SDPA) on the first `num` requests in one left-padded batch; the batch
+    runs to the longest output, and only each request's own output tokens count."""
+    prompts, out_lens = prompts[:num], out_lens[:num]
+    seconds = hf_generate_seconds(CONFIG.parent, prompts, out_lens)
     useful = sum(out_lens)
     rep.emit({"bench": "gpu_offline_hf_baseline", "system": "hf_transformers_generate", "requests": num,
               "seconds": round(seconds, 2), "output_tok_s": round(useful / seconds, 1),
-              "generated_tok_s_incl_padding_rows": round(num * new / seconds, 1)})
-    del model
-    torch.cuda.empty_cache()
+              "generated_tok_s_incl_padding_rows": round(num * max(out_lens) / seconds, 1)})
     return useful / seconds
 
 

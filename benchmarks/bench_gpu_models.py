@@ -89,31 +89,13 @@ def offline_workload(vocab: int, num: int, seed: int = 0):
 
 def run_hf_baseline(rep, name: str, config_path: Path, prompts, out_lens, num: int) -> float:
     """HF `generate` (bf16, random weights) on the first `num` requests, one left-padded batch."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
 
-    cfg = AutoConfig.from_pretrained(str(config_path.parent))
-    attn = "eager" if cfg.model_type == "gemma2" else "sdpa"
-    with torch.device("cuda"):
-        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16, attn_implementation=attn).eval()
+    attn = "eager" if AutoConfig.from_pretrained(str(config_path.parent)).model_type == "gemma2" else "sdpa"
     prompts, out_lens = prompts[:num], out_lens[:num]
-    width, new = max(len(p) for p in prompts), max(out_lens)
-    ids = torch.zeros((num, width), dtype=torch.long, device="cuda")
-    mask = torch.zeros_like(ids)
-    for row, p in enumerate(prompts):
-        ids[row, width - len(p):] = torch.tensor(p)
-        mask[row, width - len(p):] = 1
-    with torch.inference_mode():
-        model.generate(input_ids=ids[:2, -16:], attention_mask=mask[:2, -16:], max_new_tokens=4, do_sample=False)
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False,
-                       pad_token_id=0)
-        torch.cuda.synchronize()
-        seconds = time.perf_counter() - start
+    seconds = base.hf_generate_seconds(config_path.parent, prompts, out_lens, attn)
     rep.emit({"bench": f"gpu_offline_hf_baseline_{name}", "system": "hf_transformers_generate", "attention": attn,
               "requests": num, "seconds": round(seconds, 2), "output_tok_s": round(sum(out_lens) / seconds, 1)})
-    del model
-    torch.cuda.empty_cache()
     return sum(out_lens) / seconds
 
 

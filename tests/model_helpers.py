@@ -46,3 +46,18 @@ def extend_logits(engine, chunks: list[list[list[int]]]) -> list[torch.Tensor]:
         for req in reqs:
             sched.req_table.free(req.req_pool_idx)
     return [torch.cat(r) for r in rows]
+
+
+def write_stub_gguf(path, architecture: str) -> None:
+    """A GGUF file that names `architecture` and holds one small tensor: enough for the loader
+    to read its header and decide whether it supports it."""
+    import gguf
+    import numpy as np
+
+    writer = gguf.GGUFWriter(str(path), architecture)
+    writer.add_block_count(1)
+    writer.add_tensor("token_embd.weight", np.zeros((4, 4), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()

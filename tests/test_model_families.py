@@ -20,6 +20,8 @@ from radixlm.srt import Engine
 from radixlm.srt.configs import SUPPORTED_ARCHITECTURES
 from radixlm.srt.executor.models.registry import MODEL_CLASSES
 
+from model_helpers import write_stub_gguf
+
 WINDOW = 16
 LOGPROB_TOL = 2e-3
 FINAL_NORM = 8.0
@@ -366,20 +368,11 @@ def test_phi3_gguf_matches_hf(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
 
 
 def test_gemma_gguf_is_refused_by_name(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import gguf
-    import numpy as np
-
     from radixlm.srt.executor import gguf_loader
     from radixlm.srt.executor.model_loader import load_model
 
     monkeypatch.setenv(gguf_loader.CACHE_DIR_ENV, str(tmp_path / "cache"))
     path = tmp_path / "gemma.gguf"
-    writer = gguf.GGUFWriter(str(path), "gemma2")
-    writer.add_block_count(1)
-    writer.add_tensor("token_embd.weight", np.zeros((4, 4), dtype=np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    write_stub_gguf(path, "gemma2")
     with pytest.raises(ValueError, match="GGUF architecture 'gemma2' is not supported: .*query_pre_attn_scalar"):
         load_model(path)

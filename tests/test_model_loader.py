@@ -18,7 +18,10 @@ import torch
 from radixlm.srt.executor import gguf_loader, model_loader
 from radixlm.srt.executor.model_loader import LoadedModel, default_model_path, load_model, load_tokenizer, weight_shapes
 
-LLAMA3_TOKENIZER_GGUF = Path("/work/shared/models/llama3-tokenizer-vocab.gguf")
+from model_helpers import write_stub_gguf
+
+# ../shared beside the checkout (the development machines and CI lay it there).
+LLAMA3_TOKENIZER_GGUF = Path(__file__).resolve().parents[2] / "shared/models/llama3-tokenizer-vocab.gguf"
 
 
 @pytest.fixture(scope="module")
@@ -275,16 +278,8 @@ def test_changed_gguf_is_converted_again(tmp_path: Path, cache_dir: Path) -> Non
 
 
 def test_unsupported_gguf_architecture(tmp_path: Path, cache_dir: Path) -> None:
-    import gguf
-
     path = tmp_path / "other.gguf"
-    writer = gguf.GGUFWriter(str(path), "gpt2")
-    writer.add_block_count(1)
-    writer.add_tensor("token_embd.weight", np.zeros((4, 4), dtype=np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    write_stub_gguf(path, "gpt2")
     with pytest.raises(ValueError, match="'gpt2' is not supported"):
         load_model(path)
     assert not any(cache_dir.iterdir())  # the failed conversion left nothing behind

@@ -56,13 +56,13 @@ class BatchPlanner:
     def launched(self, plan: StepPlan) -> None:
         """Bookkeeping once the engine launched `plan`: every part's tokens now have KV."""
         sched = self.sched
-        running = set(map(id, sched.running))
+        running = set() if plan.decode else set(map(id, sched.running))
         for part in plan.parts:
             req = part.req
             req.kv_len = part.start + part.extend_len
             if part.samples:
                 req.pending_tokens += 1
-            if id(req) in running:  # a decode step, or riding in this extend batch
+            if plan.decode or id(req) in running:  # decoding, or riding in this extend batch
                 continue
             if req.kv_len < req.seq_len:
                 sched.kv.cache_unfinished(req)
