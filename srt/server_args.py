@@ -66,6 +66,22 @@ class ServerArgs:
     speculative_num_draft_tokens: int = _arg(4, "draft tokens verified per step")
     speculative_ngram_max_match_window_size: int = _arg(4, "ngram: longest suffix matched against earlier tokens")
     speculative_ngram_min_match_window_size: int = _arg(1, "ngram: shortest suffix matched")
+    speculative_draft_model_path: str | None = _arg(None, "draft / STANDALONE: the smaller model that drafts "
+                                                          "(same tokenizer as the target)")
+    speculative_num_steps: int | None = _arg(None, "draft / STANDALONE: draft forwards per step (unset: "
+                                                   "speculative_num_draft_tokens)")
+    quantization: str | None = _arg(None, "fp8: weights quantized to FP8 e4m3 at load (bf16 checkpoints) or "
+                                          "read as they are (FP8 checkpoints); unset: the checkpoint's dtype")
+    kv_cache_dtype: str = _arg("auto", "auto (the model dtype) | fp8_e4m3 (KV stored in FP8 with scales)")
+    tp_size: int = _arg(1, "tensor-parallel ranks: attention heads, MLP and vocabulary split across them")
+    dp_size: int = _arg(1, "data-parallel replicas on this host behind a cache-aware router (one per GPU "
+                           "group of tp_size GPUs)")
+    nnodes: int = _arg(1, "hosts the tensor-parallel ranks span (tp_size / nnodes ranks each)")
+    node_rank: int = _arg(0, "this host's index among nnodes; node 0 serves HTTP")
+    dist_init_addr: str | None = _arg(None, "host:port of node 0's torch.distributed rendezvous (needed when "
+                                            "nnodes > 1; unset: a free local port)")
+    dist_timeout: float = _arg(120.0, "seconds to wait for every rank to join, and for a collective to finish, "
+                                      "before failing with the ranks that did not answer")
 
     def __post_init__(self) -> None:
         if self.page_size < 1:
