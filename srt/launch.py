@@ -213,13 +213,19 @@ def main(argv: list[str] | None = None) -> None:
     args, ns = parse_args(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(level=ns.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     show_progress_bars_in_log()
+    if args.dp_size > 1:  # replicas behind the cache-aware router
+        from radixlm.srt.router.dp_launcher import launch_dp
+
+        sys.exit(launch_dp(args, ns))
     sys.exit(launch_server(args, ns.served_model_name, ns.log_level))
 
 
 _USAGE = """usage: radixlm serve [--model-path PATH] [--port N] [...]
+       radixlm router --worker-urls URL [URL ...] [--port N] [...]
 
 commands:
   serve    serve a model over HTTP (radixlm serve --help lists every flag with its default)
+  router   route requests over running servers by cached prefix (radixlm router --help)
 """
 
 
@@ -229,6 +235,10 @@ def cli() -> None:
     if argv and argv[0] in ("-h", "--help", "help"):
         print(_USAGE, end="")
         sys.exit(0)
+    if argv and argv[0] == "router":
+        from radixlm.srt.router.cli import main as router_main
+
+        router_main(argv[1:])
     if not argv or argv[0] != "serve":
         print(_USAGE, end="", file=sys.stderr)
         sys.exit(2)
