@@ -118,6 +118,10 @@ def _local_tokenizer_dir(args: ServerArgs) -> str | None:
 
 def launch_server(args: ServerArgs, served_model_name: str | None = None, log_level: str = "info") -> int:
     """Runs the server until SIGINT/SIGTERM (returns 0) or a child process dies (returns 1)."""
+    if args.node_rank > 0:  # tensor-parallel ranks only; node 0 serves
+        from radixlm.srt.tp_launch import serve_follower_node
+
+        return serve_follower_node(args)
     try:
         sock = bind_port(args.host, args.port)
     except OSError as e:
@@ -154,6 +158,14 @@ def _launch(args: ServerArgs, sock: Any, served_model_name: str | None, log_leve
     # Config and tokenizer for this process. Read while the children start (it takes seconds)
     # when the tokenizer is a local directory; first otherwise: a GGUF is converted once, and a
     # hub model is fetched once, before the children race for them.
+    if args.tp_size > 1:
+        from radixlm.srt.executor.parallel import check_devices
+
+        try:
+            check_devices(args)
+        except ValueError as e:
+            logger.error("%s", e)
+            return 1
     tokenizer_dir = _local_tokenizer_dir(args)
     stage(f"loading {args.model_path or 'the embedded SmolLM2-135M-Instruct'}"
           + ("" if tokenizer_dir else " (a GGUF is converted once, on its first use)"))
@@ -169,11 +181,18 @@ def _launch(args: ServerArgs, sock: Any, served_model_name: str | None, log_leve
         stage("starting the scheduler (loads the weights) and the detokenizer")
         children.start("detokenizer", run_detokenizer_process, tokenizer_dir or args.tokenizer_path or meta.local_dir,
                        children.addr("detokenizer"), children.addr("tokenizer"), children.addr("ready"))
+        starting = {"scheduler", "detokenizer"}
+        addr = None
+        if args.tp_size > 1:
+            from radixlm.srt.tp_launch import dist_addr, start_node_ranks
+
+            addr = dist_addr(args)
+            starting |= start_node_ranks(children, args, addr, skip_rank0=True)
         children.start("scheduler", run_scheduler_process, dataclasses.asdict(args),
-                       children.addr("scheduler"), children.addr("detokenizer"), children.addr("ready"))
+                       children.addr("scheduler"), children.addr("detokenizer"), children.addr("ready"), addr)
         logger.info("children: %s", ", ".join(f"{n} pid {p.pid}" for n, p in children.procs.items()))
         meta = meta or read_meta()
-        info = _wait_ready(ready, children, {"scheduler", "detokenizer"})
+        info = _wait_ready(ready, children, starting)
     except BaseException as e:
         children.stop()
         ready.close()

@@ -48,6 +48,18 @@ def build_decode_batch(parts: list[ExtendPlan], device: torch.device,
     return batch
 
 
+def build_token_batch(parts: list[ExtendPlan], offset: int, tokens: torch.Tensor, device: torch.device) -> ForwardBatch:
+    """A decode batch in which each part feeds one token already on the device, `tokens[i]`, at
+    position `part.start + offset`, its KV going to `part.slots[offset]` (the draft model's
+    forwards: each feeds the draft the previous one sampled)."""
+    positions = [p.start + offset for p in parts]
+    batch, _ = _forward_batch(device, ForwardMode.DECODE, [0] * len(parts), positions,
+                              [p.slots[offset] for p in parts], [p.req.req_pool_idx for p in parts], positions,
+                              [1] * len(parts), range(len(parts)))
+    batch.input_ids = tokens
+    return batch
+
+
 def _forward_batch(device: torch.device, mode: ForwardMode, input_ids, positions, out_cache_loc, rows: list[int],
                    prefix_lens: list[int], extend_lens: list[int], logit_rows,
                    *extra_columns) -> tuple[ForwardBatch, list[torch.Tensor]]:
@@ -58,7 +70,8 @@ def _forward_batch(device: torch.device, mode: ForwardMode, input_ids, positions
                                                               seq_lens, logit_rows, *extra_columns)
     batch = ForwardBatch(mode=mode, input_ids=ids, positions=pos, out_cache_loc=loc, req_pool_indices=req_idx,
                          req_pool_indices_cpu=rows, seq_lens=lens, seq_lens_cpu=seq_lens, prefix_lens_cpu=prefix_lens,
-                         extend_lens_cpu=extend_lens, logit_rows=logits)
+                         extend_lens_cpu=extend_lens, logit_rows=logits,
+                         host_columns=(positions, out_cache_loc, logit_rows))
     return batch, extra
 
 

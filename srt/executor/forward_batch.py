@@ -33,6 +33,9 @@ class ForwardBatch:
     prefix_lens_cpu: list[int]  # cached tokens before this step's new ones
     extend_lens_cpu: list[int]  # new tokens per request (all 1 for decode)
     logit_rows: torch.Tensor  # rows of the T hidden states that need logits
+    # The host lists positions, out_cache_loc and logit_rows were made from (tensor parallelism
+    # sends them to the other ranks without reading the device).
+    host_columns: tuple[list[int], list[int], list[int]] | None = None
 
     @property
     def batch_size(self) -> int:

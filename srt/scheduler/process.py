@@ -8,7 +8,7 @@ import signal
 import sys
 import traceback
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import zmq
 
@@ -37,10 +37,13 @@ class _Sent:
 
 
 class SchedulerLoop:
-    def __init__(self, scheduler: Scheduler, recv: zmq.Socket, send: zmq.Socket):
+    def __init__(self, scheduler: Scheduler, recv: zmq.Socket, send: zmq.Socket,
+                 on_idle: Callable[[], None] | None = None):
+        """on_idle: called after each idle poll (tensor parallelism: a heartbeat to the other ranks)."""
         self.scheduler = scheduler
         self.recv = recv
         self.send = send
+        self.on_idle = on_idle
         self.sent: dict[str, _Sent] = {}
         self.reqs: dict[str, Req] = {}
 
@@ -53,6 +56,8 @@ class SchedulerLoop:
                 self._drain_requests()
             if self.scheduler.has_work:
                 self.run_step()
+            elif self.on_idle is not None:
+                self.on_idle()
 
     def run_step(self) -> None:
         try:
@@ -157,8 +162,10 @@ def _tops(items: list[Any]) -> list[Any]:
     return [None if top is None else _pairs(top) for top in items]
 
 
-def run_scheduler_process(server_args: dict[str, Any], recv_addr: str, send_addr: str, ready_addr: str) -> None:
-    """Process entry point (started with multiprocessing's spawn)."""
+def run_scheduler_process(server_args: dict[str, Any], recv_addr: str, send_addr: str, ready_addr: str,
+                          dist_addr: str | None = None) -> None:
+    """Process entry point (started with multiprocessing's spawn). With tp_size > 1 it is
+    tensor-parallel rank 0, meeting the other ranks at `dist_addr` (host:port)."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s scheduler %(levelname)s %(message)s")
     # Ctrl-C in a terminal reaches the whole process group; the server stops its children itself
     # (SIGTERM) once it has failed what was in flight, so a child ignores SIGINT rather than dying
@@ -172,10 +179,16 @@ def run_scheduler_process(server_args: dict[str, Any], recv_addr: str, send_addr
     try:
         from radixlm.srt.executor.model_loader import load_model
 
+        from radixlm.srt.executor import parallel
+
         args = ServerArgs(**server_args)
+        device = parallel.prepare_rank(args, 0)
         loaded = load_model(args.model_path, dtype=args.resolved_dtype(), load_format=args.load_format,
-                            tokenizer_path=args.tokenizer_path, device=args.resolved_device())
+                            tokenizer_path=args.tokenizer_path, device=device, tensor_parallel=(0, args.tp_size))
+        tp = parallel.init_tensor_parallel(args, 0, 0, dist_addr) if args.tp_size > 1 else parallel.current()
         scheduler = Scheduler(loaded, args)
+        tp.barrier("ready")  # every rank has its shard and KV pool
+        sender = scheduler.engine.runner.step_sender if tp.enabled else None
         recv = ctx.socket(zmq.PULL)
         recv.setsockopt(zmq.LINGER, 0)
         recv.bind(recv_addr)
@@ -192,8 +205,10 @@ def run_scheduler_process(server_args: dict[str, Any], recv_addr: str, send_addr
         "max_total_tokens": scheduler.allocator.capacity, "context_len": scheduler.context_len})))
     ready.close()
     try:
-        SchedulerLoop(scheduler, recv, send).run_forever()
+        SchedulerLoop(scheduler, recv, send, sender.heartbeat if sender else None).run_forever()
     finally:
+        if sender is not None:
+            sender.stop()
         recv.close()
         send.close()
         ctx.term()

@@ -16,6 +16,7 @@ if TYPE_CHECKING:
 
 _LAYER_RE = re.compile(r"layers\.(\d+)\.(.+)")
 _EXPERT_RE = re.compile(r"experts\.(\d+)\.(\w+)\.weight")
+_VOCAB_PARAMS = ("embed_tokens.weight", "lm_head.weight")
 
 
 def hf_weight_shapes(config: ModelConfig, family: Family) -> dict[str, tuple[int, ...]]:
@@ -113,6 +114,11 @@ def load_into(model: "CausalLM", weights: dict[str, torch.Tensor]) -> None:
         if target not in params:
             raise ValueError(f"unexpected weight {hf_name!r}")
         dest = params[target][index] if index else params[target]
+        if target in _VOCAB_PARAMS and tensor.shape[0] < dest.shape[0]:
+            # A rank's vocabulary block past the end of the vocabulary: padding rows of zeros.
+            dest[tensor.shape[0]:].zero_()
+            written[target] += (dest.shape[0] - tensor.shape[0]) * dest.shape[1]
+            dest = dest[:tensor.shape[0]]
         if dest.shape != tensor.shape:
             raise ValueError(f"weight {hf_name}: shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}")
         dest.copy_(tensor)

@@ -17,14 +17,17 @@ from radixlm.srt.configs import ModelConfig
 from radixlm.srt.executor.attention.base import AttentionBackend
 from radixlm.srt.executor.models import checkpoint
 from radixlm.srt.executor.models.family import Family
-from radixlm.srt.executor.models.layers import Attention, GatedMLP, RMSNorm
+from radixlm.srt.executor.models.layers import SINGLE, Attention, GatedMLP, RMSNorm
 from radixlm.srt.executor.models.moe import SparseMoE
 from radixlm.srt.executor.models.ops import TorchOps
 from radixlm.srt.executor.models.rotary import RotaryEmbedding
+from radixlm.srt.executor.models.sharding import ShardPlan
+from radixlm.srt.executor.parallel import TensorParallel
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_id: int, family: Family, ops: type[TorchOps] = TorchOps):
+    def __init__(self, config: ModelConfig, layer_id: int, family: Family, ops: type[TorchOps] = TorchOps,
+                 tp: TensorParallel = SINGLE):
         super().__init__()
         offset = family.norm_offset
 
@@ -32,7 +35,7 @@ class DecoderLayer(nn.Module):
             return RMSNorm(config.hidden_size, config.rms_norm_eps, ops, offset)
 
         self.input_layernorm = norm()
-        self.self_attn = Attention(config, layer_id, ops, offset)
+        self.self_attn = Attention(config, layer_id, ops, offset, tp)
         # Llama's post_attention_layernorm is the norm before the MLP; Gemma's normalises the
         # attention output, and pre_/post_feedforward_layernorm wrap the MLP.
         self.post_attention_layernorm = norm()
@@ -42,9 +45,9 @@ class DecoderLayer(nn.Module):
             self.post_feedforward_layernorm = norm()
         if layer_id in config.sparse_layers:
             self.mlp = SparseMoE(config.hidden_size, config.moe_intermediate_size, config.num_experts,
-                                 config.num_experts_per_tok, config.norm_topk_prob, config.hidden_act, ops)
+                                 config.num_experts_per_tok, config.norm_topk_prob, config.hidden_act, ops, tp)
         else:
-            self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act, ops)
+            self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act, ops, tp)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
                 rotary: RotaryEmbedding, attn: AttentionBackend) -> tuple[torch.Tensor, torch.Tensor]:
@@ -63,18 +66,28 @@ class DecoderLayer(nn.Module):
 
 
 class CausalLM(nn.Module):
+    """The whole model, or under tensor parallelism one rank's part of it (`shard`): its heads
+    and MLP columns (so `self.config` is the rank's config) and a block of the vocabulary."""
+
     family = Family("llama")
 
-    def __init__(self, config: ModelConfig, hf_config: Any = None, ops: type[TorchOps] = TorchOps):
+    def __init__(self, config: ModelConfig, hf_config: Any = None, ops: type[TorchOps] = TorchOps,
+                 shard: ShardPlan | None = None, tp: TensorParallel = SINGLE):
         super().__init__()
+        self.tp = tp
+        self.vocab_size = config.vocab_size
+        self.vocab_start = shard.vocab[0] if shard else 0
+        vocab_rows = shard.vocab_block if shard else config.vocab_size
+        if shard is not None:
+            config = shard.local_config(config)
         self.config = config
         family = self.family
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = nn.Embedding(vocab_rows, config.hidden_size)
         # transformers multiplies by sqrt(hidden) cast to the weights' dtype (55.4256 -> 55.5 in bf16).
         self.embed_scale = config.hidden_size ** 0.5 if family.scale_embeddings else None
-        self.layers = nn.ModuleList(DecoderLayer(config, i, family, ops) for i in range(config.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, i, family, ops, tp) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops, family.norm_offset)
-        self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, vocab_rows, bias=False)
         self.rotaries, self.rotary_of_layer = self._make_rotaries(config, hf_config)
 
     def _make_rotaries(self, config: ModelConfig, hf_config: Any) -> tuple[nn.ModuleList, list[int]]:
@@ -90,7 +103,7 @@ class CausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend,
                 logit_rows: torch.Tensor | None = None) -> torch.Tensor:
         """Logits for `logit_rows` of the new tokens (all rows when None): [len(rows), vocab]."""
-        x = self.embed_tokens(input_ids)
+        x = self.embed(input_ids)
         if self.embed_scale is not None:
             x = x * torch.tensor(self.embed_scale, dtype=x.dtype).item()  # a host scalar: no device sync
         residual = None
@@ -100,8 +113,20 @@ class CausalLM(nn.Module):
             x, residual = x[logit_rows], residual[logit_rows]
         x, _ = self.norm.forward_add(x, residual)
         logits = F.linear(x, self.lm_head_weight).float()
+        if self.tp.enabled:  # each rank has a block of the vocabulary; the last block is padded
+            logits = self.tp.all_gather_last(logits)[:, :self.vocab_size]
         cap = self.config.final_logit_softcap
         return logits if cap is None else torch.tanh(logits / cap) * cap
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if not self.tp.enabled:
+            return self.embed_tokens(input_ids)
+        # Vocabulary parallel: a rank embeds the ids in its block, zeros for the rest; the sum
+        # over the ranks is every id's row.
+        local = input_ids - self.vocab_start
+        mine = (local >= 0) & (local < self.embed_tokens.num_embeddings)
+        x = self.embed_tokens(torch.where(mine, local, 0)) * mine.unsqueeze(-1).to(self.embed_tokens.weight.dtype)
+        return self.tp.all_reduce(x)
 
     @torch.no_grad()
     def load_weights(self, weights: dict[str, torch.Tensor]) -> None:

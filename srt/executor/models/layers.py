@@ -13,6 +13,9 @@ from radixlm.srt.configs import ModelConfig
 from radixlm.srt.executor.attention.base import AttentionBackend
 from radixlm.srt.executor.models.ops import TorchOps
 from radixlm.srt.executor.models.rotary import RotaryEmbedding
+from radixlm.srt.executor.parallel import TensorParallel
+
+SINGLE = TensorParallel()
 
 
 class RMSNorm(nn.Module):
@@ -39,9 +42,14 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, layer_id: int, ops: type[TorchOps] = TorchOps, norm_offset: float = 0.0):
+    """`config` holds this rank's heads (sharding.py); o_proj is row parallel: its partial sums
+    are added over the ranks."""
+
+    def __init__(self, config: ModelConfig, layer_id: int, ops: type[TorchOps] = TorchOps, norm_offset: float = 0.0,
+                 tp: TensorParallel = SINGLE):
         super().__init__()
         self.ops = ops
+        self.tp = tp
         self.layer_id = layer_id
         self.num_heads = config.num_heads
         self.num_kv_heads = config.num_kv_heads
@@ -63,21 +71,24 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rotary(positions, q, k, self.ops)
-        return self.o_proj(attn.forward(q, k, v, self.layer_id))
+        return self.tp.all_reduce(self.o_proj(attn.forward(q, k, v, self.layer_id)))
 
 
 class GatedMLP(nn.Module):
-    """down(act(gate(x)) * up(x)), with gate and up as one projection (gate rows first)."""
+    """down(act(gate(x)) * up(x)), with gate and up as one projection (gate rows first).
+    Under tensor parallelism `intermediate_size` is this rank's columns; down is row parallel."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, hidden_act: str, ops: type[TorchOps] = TorchOps):
+    def __init__(self, hidden_size: int, intermediate_size: int, hidden_act: str, ops: type[TorchOps] = TorchOps,
+                 tp: TensorParallel = SINGLE):
         super().__init__()
         self.ops = ops
+        self.tp = tp
         self.hidden_act = hidden_act
         self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(act_and_mul(self.gate_up_proj(x), self.hidden_act, self.ops))
+        return self.tp.all_reduce(self.down_proj(act_and_mul(self.gate_up_proj(x), self.hidden_act, self.ops)))
 
 
 def act_and_mul(gate_up: torch.Tensor, hidden_act: str, ops: type[TorchOps] = TorchOps) -> torch.Tensor:

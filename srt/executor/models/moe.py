@@ -13,8 +13,9 @@ import logging
 import torch
 from torch import nn
 
-from radixlm.srt.executor.models.layers import act_and_mul
+from radixlm.srt.executor.models.layers import SINGLE, act_and_mul
 from radixlm.srt.executor.models.ops import TorchOps
+from radixlm.srt.executor.parallel import TensorParallel
 
 logger = logging.getLogger(__name__)
 
@@ -57,11 +58,14 @@ def expert_forward(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights
 
 
 class SparseMoE(nn.Module):
-    """Router (`gate`, no bias) and stacked experts; output = sum_k w_k * expert_k(x)."""
+    """Router (`gate`, no bias) and stacked experts; output = sum_k w_k * expert_k(x). Under
+    tensor parallelism every rank routes alike and holds each expert's share of the
+    intermediate columns; the partial outputs are added over the ranks."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int, renormalize: bool,
-                 hidden_act: str = "silu", ops: type[TorchOps] = TorchOps):
+                 hidden_act: str = "silu", ops: type[TorchOps] = TorchOps, tp: TensorParallel = SINGLE):
         super().__init__()
+        self.tp = tp
         self.top_k = top_k
         self.renormalize = renormalize
         self.hidden_act = hidden_act
@@ -75,5 +79,5 @@ class SparseMoE(nn.Module):
         if self.use_triton and x.is_cuda:
             from radixlm.srt.executor.models.moe_triton import fused_moe
 
-            return fused_moe(x, self.w13, self.w2, weights, ids)
-        return expert_forward(x, self.w13, self.w2, weights, ids, self.hidden_act)
+            return self.tp.all_reduce(fused_moe(x, self.w13, self.w2, weights, ids))
+        return self.tp.all_reduce(expert_forward(x, self.w13, self.w2, weights, ids, self.hidden_act))

@@ -1,0 +1,119 @@
+"""Rank 0 tells the other tensor-parallel ranks what to compute, one message per forward.
+
+Only rank 0 runs the scheduling policy; the others are followers that run the same forward on
+their shard of the weights. Before each forward rank 0 broadcasts the batch (token ids,
+positions, KV slots, rows, lengths, logit rows) and the entries of the request-to-token table
+its rows read that the followers' copies lack. The table is diffed against a mirror of what
+was sent, so a follower's table rows are exactly rank 0's for every forward whatever the
+policy did in between (radix-cache hits, retractions, speculation's truncations). Attention
+plans and CUDA-graph choices are computed from the batch and the table, so every rank makes
+the same ones.
+
+A message is int64 tensors on the device group (NCCL or gloo): its length, then the message
+with the token ids appended on the device (under overlap scheduling they may not have reached
+the host yet). While idle, rank 0 sends a heartbeat each poll, so a follower waits at most
+`dist_timeout` for a rank 0 that died.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from radixlm.srt.executor.forward_batch import ForwardBatch, ForwardMode
+from radixlm.srt.executor.parallel import TensorParallel
+
+_HEADER = 6  # kind, mode, tokens, requests, logit rows, table entries
+
+
+class Kind(enum.IntEnum):
+    FORWARD = 0
+    HEARTBEAT = 1
+    STOP = 2
+
+
+class StepSender:
+    """Rank 0's side: `send(batch)` before each forward."""
+
+    def __init__(self, tp: TensorParallel, table: np.ndarray, device: torch.device):
+        self.tp = tp
+        self.table = table
+        self.mirror = np.zeros_like(table)  # what the followers' tables hold
+        self.device = device
+
+    def send(self, batch: ForwardBatch) -> None:
+        deltas = self._table_deltas(batch.req_pool_indices_cpu, batch.seq_lens_cpu)
+        mode = 0 if batch.mode is ForwardMode.EXTEND else 1
+        positions, out_cache_loc, logit_rows = (np.asarray(list(c), np.int64) for c in batch.host_columns)
+        host = np.concatenate([
+            np.array([Kind.FORWARD, mode, batch.input_ids.shape[0], batch.batch_size, batch.logit_rows.shape[0],
+                      deltas.shape[0] // 3], dtype=np.int64),
+            positions, out_cache_loc, np.asarray(batch.req_pool_indices_cpu, np.int64),
+            np.asarray(batch.seq_lens_cpu, np.int64), np.asarray(batch.prefix_lens_cpu, np.int64),
+            np.asarray(batch.extend_lens_cpu, np.int64), logit_rows, deltas])
+        message = torch.cat([torch.from_numpy(host).to(self.device, non_blocking=True), batch.input_ids])
+        self._broadcast(message)
+
+    def heartbeat(self) -> None:
+        self._broadcast(torch.tensor([Kind.HEARTBEAT, 0, 0, 0, 0, 0], dtype=torch.int64, device=self.device))
+
+    def stop(self) -> None:
+        self._broadcast(torch.tensor([Kind.STOP, 0, 0, 0, 0, 0], dtype=torch.int64, device=self.device))
+
+    def _broadcast(self, message: torch.Tensor) -> None:
+        length = torch.tensor([message.shape[0]], dtype=torch.int64, device=self.device)
+        dist.broadcast(length, src=0, group=self.tp.group)
+        dist.broadcast(message, src=0, group=self.tp.group)
+
+    def _table_deltas(self, rows: list[int], seq_lens: list[int]) -> np.ndarray:
+        """(row, position, slot) triples, flat, where the rows' first seq_len entries differ
+        from what the followers have; the mirror is brought up to date."""
+        if not rows:
+            return np.zeros(0, np.int64)
+        width = max(seq_lens)
+        idx = np.asarray(rows)
+        now, sent = self.table[idx, :width], self.mirror[idx, :width]
+        changed = (now != sent) & (np.arange(width) < np.asarray(seq_lens)[:, None])
+        which, pos = np.nonzero(changed)
+        if which.size == 0:
+            return np.zeros(0, np.int64)
+        slots = now[which, pos]
+        self.mirror[idx[which], pos] = slots
+        return np.stack([idx[which], pos, slots], axis=1).astype(np.int64).ravel()
+
+
+class StepReceiver:
+    """A follower's side: `receive()` blocks until rank 0's next message."""
+
+    def __init__(self, tp: TensorParallel, table: np.ndarray, device: torch.device):
+        self.tp = tp
+        self.table = table
+        self.device = device
+
+    def receive(self) -> tuple[Kind, ForwardBatch | None]:
+        length = torch.zeros(1, dtype=torch.int64, device=self.device)
+        dist.broadcast(length, src=0, group=self.tp.group)
+        message = torch.empty(int(length.item()), dtype=torch.int64, device=self.device)
+        dist.broadcast(message, src=0, group=self.tp.group)
+        host = message.cpu().numpy()
+        kind = Kind(int(host[0]))
+        if kind is not Kind.FORWARD:
+            return kind, None
+        mode, tokens, reqs, logits, entries = (int(v) for v in host[1:_HEADER])
+        sizes = [tokens, tokens, reqs, reqs, reqs, reqs, logits, 3 * entries]
+        cols = np.split(host[_HEADER:_HEADER + sum(sizes)], np.cumsum(sizes)[:-1])
+        positions, out_loc, rows, seq_lens, prefix_lens, extend_lens, logit_rows, deltas = cols
+        if entries:
+            triples = deltas.reshape(-1, 3)
+            self.table[triples[:, 0], triples[:, 1]] = triples[:, 2]
+        device_cols = message[_HEADER:_HEADER + sum(sizes)].split(sizes)
+        batch = ForwardBatch(
+            mode=ForwardMode.EXTEND if mode == 0 else ForwardMode.DECODE,
+            input_ids=message[_HEADER + sum(sizes):], positions=device_cols[0], out_cache_loc=device_cols[1],
+            req_pool_indices=device_cols[2], req_pool_indices_cpu=rows.tolist(), seq_lens=device_cols[3],
+            seq_lens_cpu=seq_lens.tolist(), prefix_lens_cpu=prefix_lens.tolist(),
+            extend_lens_cpu=extend_lens.tolist(), logit_rows=device_cols[6])
+        return kind, batch

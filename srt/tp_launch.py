@@ -1,0 +1,87 @@
+"""Starting the tensor-parallel ranks of `radixlm serve --tp-size N [--nnodes M --node-rank R]`.
+
+Node 0 runs the HTTP server, the detokenizer and the scheduler (rank 0) as usual, plus its
+other local ranks; every other node runs only its ranks (`tp_size / nnodes` of them, one per
+GPU) and exits when they do. Ranks meet at `--dist-init-addr` (node 0's address; a free local
+port when there is one node).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import signal
+import socket
+import time
+from typing import Any
+
+from radixlm.srt.server_args import ServerArgs
+
+logger = logging.getLogger("radixlm.launch")
+
+
+def dist_addr(args: ServerArgs) -> str:
+    if args.dist_init_addr:
+        return args.dist_init_addr
+    with socket.socket() as s:  # one node: a free port on the loopback
+        s.bind(("127.0.0.1", 0))
+        return f"127.0.0.1:{s.getsockname()[1]}"
+
+
+def start_node_ranks(children: Any, args: ServerArgs, addr: str, skip_rank0: bool) -> set[str]:
+    """Starts this node's ranks (rank 0 excepted on node 0: it is the scheduler process);
+    returns the names their ready signals carry."""
+    from radixlm.srt.executor.tp_follower import follower_name, run_tp_follower_process
+
+    per_node = args.tp_size // args.nnodes
+    names = set()
+    for local_rank in range(per_node):
+        rank = args.node_rank * per_node + local_rank
+        if rank == 0 and skip_rank0:
+            continue
+        children.start(follower_name(rank), run_tp_follower_process, dataclasses.asdict(args), rank, local_rank,
+                       addr, children.addr("ready"))
+        names.add(follower_name(rank))
+    return names
+
+
+def serve_follower_node(args: ServerArgs) -> int:
+    """A node other than 0: runs its ranks until they stop (0), one fails (1) or a signal."""
+    import zmq
+
+    from radixlm.srt.executor import parallel
+    from radixlm.srt.launch import _Children, _wait_ready
+    from radixlm.srt.process_utils import stage
+
+    try:
+        parallel.check_devices(args)
+    except ValueError as e:
+        logger.error("%s", e)
+        return 1
+    children = _Children()
+    ctx = zmq.Context()
+    ready = ctx.socket(zmq.PULL)
+    ready.setsockopt(zmq.LINGER, 0)
+    ready.bind(children.addr("ready"))
+    stopping = []
+    signal.signal(signal.SIGTERM, lambda *_: stopping.append(True))
+    try:
+        stage(f"node {args.node_rank} of {args.nnodes}: starting its tensor-parallel ranks; they meet at "
+              f"{args.dist_init_addr}")
+        _wait_ready(ready, children, start_node_ranks(children, args, args.dist_init_addr, skip_rank0=False))
+        stage(f"node {args.node_rank}: ranks ready; serving node 0's requests")
+        while not stopping:
+            if children.dead():
+                codes = [p.exitcode for p in children.procs.values()]
+                return 0 if all(code == 0 for code in codes) else 1
+            time.sleep(0.5)
+        return 0
+    except RuntimeError as e:
+        logger.error("%s", e)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    finally:
+        ready.close()
+        ctx.term()
+        children.stop()
