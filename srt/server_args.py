@@ -70,8 +70,9 @@ class ServerArgs:
                                                           "(same tokenizer as the target)")
     speculative_num_steps: int | None = _arg(None, "draft / STANDALONE: draft forwards per step (unset: "
                                                    "speculative_num_draft_tokens)")
-    quantization: str | None = _arg(None, "fp8: weights quantized to FP8 e4m3 at load (bf16 checkpoints) or "
-                                          "read as they are (FP8 checkpoints); unset: the checkpoint's dtype")
+    quantization: str | None = _arg(None, "fp8: the layers' projections quantized to FP8 e4m3 at load (per-channel "
+                                          "weight scales, per-token activations; checkpoints already in FP8 are "
+                                          "refused); unset: the checkpoint's dtype")
     kv_cache_dtype: str = _arg("auto", "auto (the model dtype) | fp8_e4m3 (KV stored in FP8 with scales)")
     tp_size: int = _arg(1, "tensor-parallel ranks: attention heads, MLP and vocabulary split across them")
     dp_size: int = _arg(1, "data-parallel replicas on this host behind a cache-aware router (one per GPU "
@@ -116,6 +117,22 @@ class ServerArgs:
             raise ValueError("graceful_shutdown_timeout: must be >= 0")
         if not 0.0 < self.mem_fraction_static < 1.0:
             raise ValueError("mem_fraction_static: must be between 0 and 1")
+        self._check_quantization()
+
+    def _check_quantization(self) -> None:
+        # SGLang's spellings that mean the same thing are accepted and normalised.
+        if self.quantization is not None:
+            if self.quantization.lower() != "fp8":
+                raise ValueError(f"quantization: {self.quantization!r} is not implemented (fp8 is)")
+            object.__setattr__(self, "quantization", "fp8")
+        kv = self.kv_cache_dtype.lower()
+        if kv in ("fp8", "fp8_e4m3", "float8_e4m3fn"):
+            object.__setattr__(self, "kv_cache_dtype", "fp8_e4m3")
+        elif kv == "auto":
+            object.__setattr__(self, "kv_cache_dtype", "auto")
+        else:
+            raise ValueError(f"kv_cache_dtype: {self.kv_cache_dtype!r} is not implemented (auto or fp8_e4m3 are; "
+                             "fp8_e5m2 is not)")
 
     def _check_speculative(self) -> None:
         name = self.speculative_algorithm

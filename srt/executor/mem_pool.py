@@ -17,8 +17,13 @@ class KVPool:
     """
 
     def __init__(self, num_slots: int, num_layers: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: str | torch.device):
+                 dtype: torch.dtype, device: str | torch.device, k_scale: float = 1.0, v_scale: float = 1.0):
+        """dtype: the model dtype, or torch.float8_e4m3fn (--kv-cache-dtype fp8_e4m3): K and V are
+        then stored as k / k_scale and v / v_scale, saturated to +-448, and read back times the scale."""
         shape = (num_kv_heads, num_slots, head_dim)
+        self.dtype = dtype
+        self.is_fp8 = dtype == FP8_KV_DTYPE
+        self.k_scale, self.v_scale = float(k_scale), float(v_scale)
         self.k_buffers = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v_buffers = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         # On CUDA one Triton launch stores K and V from their strided views (no transpose copies).
@@ -27,6 +32,9 @@ class KVPool:
     def store(self, layer_id: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """k, v: [T, num_kv_heads, head_dim] for the T tokens at `slots`."""
         dtype = self.k_buffers[layer_id].dtype
+        if self.is_fp8:
+            self._store_fp8(layer_id, slots, k, v)
+            return
         if self._triton_store and k.dtype == dtype and v.dtype == dtype:
             from radixlm.srt.executor.models.triton_ops import store_kv
 
@@ -36,9 +44,44 @@ class KVPool:
         self.k_buffers[layer_id].index_copy_(1, slots, k.transpose(0, 1).to(dtype))
         self.v_buffers[layer_id].index_copy_(1, slots, v.transpose(0, 1).to(dtype))
 
+    def _store_fp8(self, layer_id: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        k_buf, v_buf = self.k_buffers[layer_id], self.v_buffers[layer_id]
+        if self._triton_store:  # quantize and scatter in one launch
+            from radixlm.srt.executor.quantization.fp8_triton import store_kv_fp8
+
+            store_kv_fp8(k_buf, v_buf, slots, k, v, self.k_scale, self.v_scale)
+            return
+        # Byte views: index_copy_ has no float8 kernel on CPU.
+        k_buf.view(torch.uint8).index_copy_(1, slots, to_fp8(k, self.k_scale).transpose(0, 1).view(torch.uint8))
+        v_buf.view(torch.uint8).index_copy_(1, slots, to_fp8(v, self.v_scale).transpose(0, 1).view(torch.uint8))
+
     @staticmethod
     def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
         return 2 * num_layers * num_kv_heads * head_dim * torch.finfo(dtype).bits // 8
+
+
+FP8_KV_DTYPE = torch.float8_e4m3fn
+_FP8_MAX = torch.finfo(FP8_KV_DTYPE).max
+
+
+def kv_cache_torch_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The pool's dtype for --kv-cache-dtype: the model's (auto) or float8_e4m3fn (fp8_e4m3)."""
+    return FP8_KV_DTYPE if kv_cache_dtype == "fp8_e4m3" else model_dtype
+
+
+def to_fp8(x: torch.Tensor, scale: float) -> torch.Tensor:
+    """x / scale in e4m3, saturated (a plain cast turns values past 448 into NaN)."""
+    x = x.float() if scale == 1.0 else x.float() / scale
+    return x.clamp(-_FP8_MAX, _FP8_MAX).to(FP8_KV_DTYPE)
+
+
+def read_kv(buf: torch.Tensor, slots: torch.Tensor, dtype: torch.dtype, scale: float = 1.0) -> torch.Tensor:
+    """buf[:, slots] in `dtype`: an FP8 pool's values are cast up and multiplied by its scale."""
+    if buf.dtype != FP8_KV_DTYPE:
+        out = buf.index_select(1, slots)
+        return out if out.dtype == dtype else out.to(dtype)
+    out = buf.view(torch.uint8).index_select(1, slots).view(FP8_KV_DTYPE).to(dtype)  # no float8 gather on CPU
+    return out if scale == 1.0 else out * scale
 
 
 def _has_triton() -> bool:

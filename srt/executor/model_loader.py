@@ -25,6 +25,7 @@ import torch
 
 from radixlm.srt.configs import ModelConfig
 from radixlm.srt.executor.gguf_loader import convert_gguf, convert_gguf_tokenizer
+from radixlm.srt.executor.quantization.checkpoint import check_checkpoint_quantization
 
 logger = logging.getLogger(__name__)
 
@@ -107,6 +108,7 @@ def load_model(
     local_dir, config_file = _resolve(source, load_format, expected_sha256)
 
     hf_config = _load_hf_config(config_file)
+    check_checkpoint_quantization(hf_config, source)  # FP8 / quantized checkpoints: refused by name
     _apply_overrides(hf_config, model_config_overrides or {})
     config = _model_config(hf_config, source)
 

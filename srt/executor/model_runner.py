@@ -12,8 +12,9 @@ from radixlm.srt.executor.attention.base import AttentionBackend
 from radixlm.srt.executor.attention.layer_spec import check_backend_supports, layer_specs
 from radixlm.srt.configs import ModelConfig
 from radixlm.srt.executor.forward_batch import ForwardBatch
-from radixlm.srt.executor.mem_pool import KVPool
+from radixlm.srt.executor.mem_pool import KVPool, kv_cache_torch_dtype
 from radixlm.srt.executor.models.registry import model_class
+from radixlm.srt.executor.quantization import apply_quantization
 from radixlm.srt.executor.models.ops import select_ops
 from radixlm.srt.server_args import ServerArgs
 
@@ -45,7 +46,9 @@ class ModelRunner:
         self.model.load_weights(loaded.weights)
         # .to(device) too: rotary tables are built on the host (fp64 math) whatever the device.
         self.model.to(device=self.device, dtype=self.dtype).eval()
-        self.kv_pool = KVPool(num_kv_slots, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self.dtype, self.device)
+        apply_quantization(self.model, args, self.device)  # --quantization fp8: projections to FP8
+        kv_dtype = kv_cache_torch_dtype(args.kv_cache_dtype, self.dtype)  # --kv-cache-dtype fp8_e4m3: FP8
+        self.kv_pool = KVPool(num_kv_slots, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, kv_dtype, self.device)
         self.attention_backend_name = resolve_attention_backend(args.attention_backend, self.device, self.dtype)
         self.attn_backend = self._make_backend(req_to_token)
         self.graph_runner = self._make_graph_runner(req_to_token)
@@ -124,16 +127,21 @@ def kv_slots_for(config: ModelConfig, args: ServerArgs) -> int:
     dtype = args.resolved_dtype()
     free, total = torch.cuda.mem_get_info()
     # Called before the runner builds its copy of the weights (the loaded ones are freed after).
-    budget = free - (1.0 - args.mem_fraction_static) * total - model_bytes(config, dtype)
-    bytes_per_token = KVPool.bytes_per_token(config.num_layers, config.num_kv_heads, config.head_dim, dtype)
+    budget = free - (1.0 - args.mem_fraction_static) * total - model_bytes(config, dtype, args.quantization)
+    bytes_per_token = KVPool.bytes_per_token(config.num_layers, config.num_kv_heads, config.head_dim,
+                                             kv_cache_torch_dtype(args.kv_cache_dtype, dtype))
     if budget < bytes_per_token * 4096:
         raise ValueError(f"mem_fraction_static: {args.mem_fraction_static} leaves no room for the KV cache "
                          f"({free / 2**30:.1f} GiB free of {total / 2**30:.1f} GiB)")
     return int(budget // bytes_per_token)
 
 
-def model_bytes(config: ModelConfig, dtype: torch.dtype) -> int:
+def model_bytes(config: ModelConfig, dtype: torch.dtype, quantization: str | None = None) -> int:
     from radixlm.srt.executor.model_loader import weight_shapes
 
+    if quantization == "fp8":
+        from radixlm.srt.executor.quantization.fp8 import fp8_weight_bytes
+
+        return fp8_weight_bytes(weight_shapes(config), dtype)
     numel = sum(math.prod(shape) for shape in weight_shapes(config).values())
     return numel * torch.finfo(dtype).bits // 8

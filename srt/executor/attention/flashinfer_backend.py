@@ -82,6 +82,11 @@ class FlashInferBackend(AttentionBackend):
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale = scale
         self.dtype = dtype
+        # The pool's dtype: the model's, or float8_e4m3fn, which the kernels read directly with
+        # the pool's K/V scales (k_scale folds into sm_scale; v_scale scales the output).
+        self.kv_dtype = kv_pool.k_buffers[0].dtype
+        scaled = kv_pool.k_buffers[0].dtype == torch.float8_e4m3fn and (kv_pool.k_scale, kv_pool.v_scale) != (1.0, 1.0)
+        self._kv_scales = {"k_scale": kv_pool.k_scale, "v_scale": kv_pool.v_scale} if scaled else {}
         self.device = kv_pool.k_buffers[0].device
         self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
         self.prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "HND", backend=_BACKEND)
@@ -113,7 +118,7 @@ class FlashInferBackend(AttentionBackend):
         self._graph_prefix_page_indices: torch.Tensor | None = None
         self._graph_window_page_indices: dict[int, torch.Tensor] = {}
         self.cascade = cascade
-        self._kv_bytes_per_token = 2 * num_kv_heads * head_dim * dtype.itemsize  # K and V, one layer
+        self._kv_bytes_per_token = 2 * num_kv_heads * head_dim * self.kv_dtype.itemsize  # K and V, one layer
         self._cascade: _CascadeStep | None = None  # this batch's cascade plan, None for a plain step
         self._groups_of: tuple[ForwardBatch, CascadeGroups | None] | None = None  # from prefers_eager
         if cascade:
@@ -163,7 +168,7 @@ class FlashInferBackend(AttentionBackend):
                 wrapper = self._wrapper_for(window, decode=False)
                 wrapper.plan(qo_indptr, kv.indptr, kv.indices, kv.last_page_len, self.num_heads, self.num_kv_heads,
                              self.head_dim, self.page_size, causal=True, sm_scale=self.scale, window_left=window,
-                             logits_soft_cap=self.softcap, q_data_type=self.dtype, kv_data_type=self.dtype)
+                             logits_soft_cap=self.softcap, q_data_type=self.dtype, kv_data_type=self.kv_dtype)
                 self._wrappers[window] = wrapper
         self._out_cache_loc = batch.out_cache_loc
         self._planned()
@@ -196,7 +201,7 @@ class FlashInferBackend(AttentionBackend):
         shared = tables.shared
         self.prefill.plan(tables.qo_indptr, shared.indptr, shared.indices, shared.last_page_len, self.num_heads,
                           self.num_kv_heads, self.head_dim, self.page_size, causal=False, sm_scale=self.scale,
-                          logits_soft_cap=self.softcap, q_data_type=self.dtype, kv_data_type=self.dtype)
+                          logits_soft_cap=self.softcap, q_data_type=self.dtype, kv_data_type=self.kv_dtype)
         self._plan_decode(self.decode, tables.own)
         order = tables.order
         reorder = inverse = None
@@ -212,7 +217,7 @@ class FlashInferBackend(AttentionBackend):
     def _plan_decode(self, wrapper, kv: PagedKV, window_left: int = -1) -> None:
         wrapper.plan(kv.indptr, kv.indices, kv.last_page_len, self.num_heads, self.num_kv_heads, self.head_dim,
                      self.page_size, window_left=window_left, logits_soft_cap=self.softcap, sm_scale=self.scale,
-                     q_data_type=self.dtype, kv_data_type=self.dtype)
+                     q_data_type=self.dtype, kv_data_type=self.kv_dtype)
         self._wrappers[window_left] = wrapper
 
     # ---- CUDA graphs (the AttentionBackend hooks; see base.py for the order and invariants) ----
@@ -309,7 +314,7 @@ class FlashInferBackend(AttentionBackend):
         graph.prefix.plan(qo_indptr, shared.indptr, shared.indices.to(self.device, non_blocking=True),
                           shared.last_page_len, self.num_heads, self.num_kv_heads, self.head_dim, self.page_size,
                           causal=False, sm_scale=self.scale, logits_soft_cap=self.softcap, q_data_type=self.dtype,
-                          kv_data_type=self.dtype)
+                          kv_data_type=self.kv_dtype)
         self._plan_decode(graph.decode, PagedKV(own.indptr, own.indices.to(self.device, non_blocking=True),
                                                 own.last_page_len))
         perm = np.asarray(order, dtype=np.int64)
@@ -351,20 +356,21 @@ class FlashInferBackend(AttentionBackend):
         self.kv_pool.store(layer_id, self._out_cache_loc, k, v)
         if self._cascade is not None:
             return self._cascade_forward(q, self.kv_pages[layer_id])
-        out = self._wrappers[self._layer_window[layer_id]].run(q, self.kv_pages[layer_id])
+        out = self._wrappers[self._layer_window[layer_id]].run(q, self.kv_pages[layer_id], **self._kv_scales)
         return out.view(q.shape[0], -1)
 
     def _cascade_forward(self, q: torch.Tensor, pages) -> torch.Tensor:
         step = self._cascade
         if step.order is not None:
             q = q.index_select(0, step.order)  # level order: each group's queries contiguous
-        out, lse = step.decode.run(q, pages, return_lse=True)  # own pages (all of them, ungrouped)
+        out, lse = step.decode.run(q, pages, return_lse=True, **self._kv_scales)  # own pages (all of them, ungrouped)
         if step.merge_mask is not None:  # a graph: every row through level 1, grouped rows merged
-            prefix_out, prefix_lse = step.prefix.run(q, pages, return_lse=True)
+            prefix_out, prefix_lse = step.prefix.run(q, pages, return_lse=True, **self._kv_scales)
             self._flashinfer.merge_state_in_place(out, lse, prefix_out, prefix_lse, mask=step.merge_mask)
         else:
             grouped = step.num_grouped
-            prefix_out, prefix_lse = step.prefix.run(q[:grouped], pages, return_lse=True)  # shared prefixes
+            prefix_out, prefix_lse = step.prefix.run(q[:grouped], pages, return_lse=True,
+                                                     **self._kv_scales)  # shared prefixes
             self._flashinfer.merge_state_in_place(out[:grouped], lse[:grouped], prefix_out, prefix_lse)
         if step.inverse is not None:
             out = out.index_select(0, step.inverse)

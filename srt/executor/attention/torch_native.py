@@ -21,7 +21,7 @@ from radixlm.srt.executor.attention.base import AttentionBackend
 from radixlm.srt.executor.attention.cascade_groups import CASCADE_MIN_PREFIX, find_groups
 from radixlm.srt.executor.attention.layer_spec import LOGIT_SOFTCAP, SLIDING_WINDOW, LayerAttention
 from radixlm.srt.executor.forward_batch import ForwardBatch
-from radixlm.srt.executor.mem_pool import KVPool
+from radixlm.srt.executor.mem_pool import KVPool, read_kv
 
 
 class TorchNativeBackend(AttentionBackend):
@@ -56,9 +56,9 @@ class TorchNativeBackend(AttentionBackend):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int) -> torch.Tensor:
         self.kv_pool.store(layer_id, self._batch.out_cache_loc, k, v)
         spec = self.layers[layer_id]
-        return self._plans[spec.sliding_window].attend(q, k, v, self.kv_pool.k_buffers[layer_id],
-                                                       self.kv_pool.v_buffers[layer_id], self.scale,
-                                                       spec.logit_softcap)
+        pool = self.kv_pool
+        return self._plans[spec.sliding_window].attend(q, k, v, pool.k_buffers[layer_id], pool.v_buffers[layer_id],
+                                                       self.scale, spec.logit_softcap, (pool.k_scale, pool.v_scale))
 
 
 class _StepPlan:
@@ -115,13 +115,14 @@ class _StepPlan:
         return cls(decode, decode_rows, extends)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
-               scale: float, softcap: float | None) -> torch.Tensor:
+               scale: float, softcap: float | None, kv_scales: tuple[float, float] = (1.0, 1.0)) -> torch.Tensor:
+        """kv_scales: what an FP8 pool's K and V are multiplied by when read (1.0 otherwise)."""
         if not self.extends:  # a decode batch, or an extend batch of one-token requests
-            return self.decode.attend(q, k_buf, v_buf, scale, softcap)
+            return self.decode.attend(q, k_buf, v_buf, scale, softcap, kv_scales)
         out = q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
         if self.decode is not None:
             rows = self.decode_rows
-            out[rows] = self.decode.attend(q[rows], k_buf, v_buf, scale, softcap)
+            out[rows] = self.decode.attend(q[rows], k_buf, v_buf, scale, softcap, kv_scales)
         for start, extend_len, slots, mask in self.extends:
             # SDPA on CPU is only fast for contiguous [heads, tokens, head_dim] inputs.
             qi = q[start:start + extend_len].transpose(0, 1).contiguous()
@@ -129,8 +130,8 @@ class _StepPlan:
                 ki = k[start:start + extend_len].transpose(0, 1).contiguous()
                 vi = v[start:start + extend_len].transpose(0, 1).contiguous()
             else:
-                ki = k_buf.index_select(1, slots).to(q.dtype)  # [Hkv, keys, D]
-                vi = v_buf.index_select(1, slots).to(q.dtype)
+                ki = read_kv(k_buf, slots, q.dtype, kv_scales[0])  # [Hkv, keys, D]
+                vi = read_kv(v_buf, slots, q.dtype, kv_scales[1])
             if softcap is not None:
                 if mask is None:
                     mask = torch.ones(extend_len, extend_len, dtype=torch.bool, device=q.device).tril()
@@ -175,15 +176,16 @@ class _PlainDecode:
             self.mask = (cols[None, :] < torch.tensor(seq_lens, device=device)[:, None])[:, None, None, :]
 
     def attend(self, q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, scale: float,
-               softcap: float | None = None) -> torch.Tensor:
+               softcap: float | None = None, kv_scales: tuple[float, float] = (1.0, 1.0)) -> torch.Tensor:
         # Fold each KV head's query group into the query-length axis, so SDPA sees plain
         # multi-head attention ([B, Hkv, group, D] against [B, Hkv, L, D]).
         num_reqs, max_len = self.slots.shape
         flat = self.slots.reshape(-1)
         num_kv_heads, head_dim = k_buf.shape[0], k_buf.shape[2]
         # [Hkv, B*L, D] -> [B, Hkv, L, D] as a strided view (SDPA reads it without a copy).
-        keys = k_buf.index_select(1, flat).view(num_kv_heads, num_reqs, max_len, head_dim).transpose(0, 1)
-        values = v_buf.index_select(1, flat).view(num_kv_heads, num_reqs, max_len, head_dim).transpose(0, 1)
+        shape = (num_kv_heads, num_reqs, max_len, head_dim)
+        keys = read_kv(k_buf, flat, q.dtype, kv_scales[0]).view(shape).transpose(0, 1)
+        values = read_kv(v_buf, flat, q.dtype, kv_scales[1]).view(shape).transpose(0, 1)
         grouped_q = q.reshape(num_reqs, num_kv_heads, -1, head_dim).to(keys.dtype)
         if softcap is None:
             out = F.scaled_dot_product_attention(grouped_q, keys, values, attn_mask=self.mask, scale=scale)
@@ -253,13 +255,14 @@ class _CascadePlan:
         return cls(groups, suffix.to(device), mask[:, None, None, :].to(device))
 
     def attend(self, q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, scale: float,
-               softcap: float | None = None) -> torch.Tensor:
+               softcap: float | None = None, kv_scales: tuple[float, float] = (1.0, 1.0)) -> torch.Tensor:
         num_reqs, width = self.suffix_slots.shape
         num_kv_heads, head_dim = k_buf.shape[0], k_buf.shape[2]
         queries = q.reshape(num_reqs, num_kv_heads, -1, head_dim).float()  # [B, Hkv, group, D]
         flat = self.suffix_slots.reshape(-1)
-        keys = k_buf.index_select(1, flat).view(num_kv_heads, num_reqs, width, head_dim).transpose(0, 1)
-        values = v_buf.index_select(1, flat).view(num_kv_heads, num_reqs, width, head_dim).transpose(0, 1)
+        f32 = torch.float32
+        keys = read_kv(k_buf, flat, f32, kv_scales[0]).view(num_kv_heads, num_reqs, width, head_dim).transpose(0, 1)
+        values = read_kv(v_buf, flat, f32, kv_scales[1]).view(num_kv_heads, num_reqs, width, head_dim).transpose(0, 1)
         scores = _cap((queries @ keys.float().transpose(-1, -2)) * scale, softcap)  # [B, Hkv, group, S]
         scores = scores.masked_fill(~self.suffix_mask, float("-inf"))
         top, total, out = _partial_softmax(scores, values.float())
@@ -268,8 +271,8 @@ class _CascadePlan:
             count = members.numel()
             # All the group's queries against the prefix at once: [Hkv, G*group, P].
             gq = queries.index_select(0, members).permute(1, 0, 2, 3).reshape(num_kv_heads, -1, head_dim)
-            pk = k_buf.index_select(1, prefix_slots).float()
-            pv = v_buf.index_select(1, prefix_slots).float()
+            pk = read_kv(k_buf, prefix_slots, f32, kv_scales[0])
+            pv = read_kv(v_buf, prefix_slots, f32, kv_scales[1])
             p_top, p_total, p_out = _partial_softmax(_cap((gq @ pk.transpose(-1, -2)) * scale, softcap), pv)
             regroup = lambda t: t.view(num_kv_heads, count, group_size, -1).permute(1, 0, 2, 3)  # noqa: E731
             p_top, p_total, p_out = regroup(p_top), regroup(p_total), regroup(p_out)
