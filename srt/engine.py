@@ -15,6 +15,7 @@ from radixlm.srt.results import LogprobRecord, Progress, final_text, result
 from radixlm.srt.scheduler.request import Req
 from radixlm.srt.scheduler.scheduler import Scheduler
 from radixlm.srt.server_args import ServerArgs
+from radixlm.srt.tp_launch import LocalRanks
 
 logger = logging.getLogger(__name__)
 
@@ -25,13 +26,28 @@ class Engine:
     def __init__(self, model_path: str | None = None, **server_args: Any):
         from radixlm.srt.executor.model_loader import load_model
 
+        from radixlm.srt.executor import parallel
+
         self.server_args = ServerArgs.from_kwargs(model_path=model_path, **server_args)
         args = self.server_args
-        loaded = load_model(args.model_path, dtype=args.resolved_dtype(), load_format=args.load_format,
-                            tokenizer_path=args.tokenizer_path, device=args.resolved_device())
-        self.tokenizer = loaded.tokenizer
-        self.model_config = loaded.config
-        self.scheduler = Scheduler(loaded, args)
+        # tp_size > 1: this process is rank 0; the other ranks are child processes (tp_launch.py).
+        self._ranks = LocalRanks(args) if args.tp_size > 1 else None
+        try:
+            device = parallel.prepare_rank(args, 0)
+            loaded = load_model(args.model_path, dtype=args.resolved_dtype(), load_format=args.load_format,
+                                tokenizer_path=args.tokenizer_path, device=device,
+                                tensor_parallel=(0, args.tp_size))
+            tp = parallel.init_tensor_parallel(args, 0, 0, self._ranks.addr) if self._ranks else parallel.current()
+            self.tokenizer = loaded.tokenizer
+            self.model_config = loaded.config
+            self.scheduler = Scheduler(loaded, args)
+            tp.barrier("ready")
+            if self._ranks:
+                self._ranks.wait_ready()
+        except BaseException:
+            if self._ranks:
+                self._ranks.stop()
+            raise
         self.intake = Intake(self.tokenizer, self.model_config.vocab_size, self.scheduler.context_len)
 
     def generate(
@@ -79,6 +95,10 @@ class Engine:
         return self.scheduler.flush_cache()
 
     def shutdown(self) -> None:
+        if self._ranks is not None:
+            self.scheduler.engine.runner.step_sender.stop()
+            self._ranks.stop()
+            self._ranks = None
         self.scheduler = None  # frees the model and KV pool
         gc.collect()  # CUDA graphs and backends hold reference cycles; free their memory now
         if torch.cuda.is_available():

@@ -45,6 +45,37 @@ def start_node_ranks(children: Any, args: ServerArgs, addr: str, skip_rank0: boo
     return names
 
 
+class LocalRanks:
+    """An in-process Engine's other ranks on this node (it is rank 0), as child processes."""
+
+    def __init__(self, args: ServerArgs):
+        import zmq
+
+        from radixlm.srt.executor import parallel
+        from radixlm.srt.launch import _Children
+
+        if args.nnodes > 1:
+            raise ValueError("nnodes: an Engine runs on one node; serve several with `radixlm serve --nnodes`")
+        parallel.check_devices(args)
+        self.addr = dist_addr(args)
+        self.children = _Children()
+        self._ctx = zmq.Context()
+        self._ready = self._ctx.socket(zmq.PULL)
+        self._ready.setsockopt(zmq.LINGER, 0)
+        self._ready.bind(self.children.addr("ready"))
+        self._names = start_node_ranks(self.children, args, self.addr, skip_rank0=True)
+
+    def wait_ready(self) -> None:
+        from radixlm.srt.launch import _wait_ready
+
+        _wait_ready(self._ready, self.children, set(self._names))
+
+    def stop(self) -> None:
+        self._ready.close()
+        self._ctx.term()
+        self.children.stop()
+
+
 def serve_follower_node(args: ServerArgs) -> int:
     """A node other than 0: runs its ranks until they stop (0), one fails (1) or a signal."""
     import zmq

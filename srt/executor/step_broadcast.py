@@ -12,12 +12,15 @@ the same ones.
 A message is int64 tensors on the device group (NCCL or gloo): its length, then the message
 with the token ids appended on the device (under overlap scheduling they may not have reached
 the host yet). While idle, rank 0 sends a heartbeat each poll, so a follower waits at most
-`dist_timeout` for a rank 0 that died.
+`dist_timeout` for a rank 0 that died: a thread sends one whenever no message went out for
+a second (a server waiting for requests, or an Engine between calls).
 """
 
 from __future__ import annotations
 
 import enum
+import threading
+import time
 
 import numpy as np
 import torch
@@ -27,6 +30,7 @@ from radixlm.srt.executor.forward_batch import ForwardBatch, ForwardMode
 from radixlm.srt.executor.parallel import TensorParallel
 
 _HEADER = 6  # kind, mode, tokens, requests, logit rows, table entries
+HEARTBEAT_S = 1.0
 
 
 class Kind(enum.IntEnum):
@@ -43,6 +47,11 @@ class StepSender:
         self.table = table
         self.mirror = np.zeros_like(table)  # what the followers' tables hold
         self.device = device
+        # One message at a time on the group, whichever thread sends it.
+        self._lock = threading.Lock()
+        self._last_sent = time.monotonic()
+        self._stopped = False
+        threading.Thread(target=self._heartbeats, name="tp-heartbeat", daemon=True).start()
 
     def send(self, batch: ForwardBatch) -> None:
         deltas = self._table_deltas(batch.req_pool_indices_cpu, batch.seq_lens_cpu)
@@ -57,16 +66,38 @@ class StepSender:
         message = torch.cat([torch.from_numpy(host).to(self.device, non_blocking=True), batch.input_ids])
         self._broadcast(message)
 
-    def heartbeat(self) -> None:
-        self._broadcast(torch.tensor([Kind.HEARTBEAT, 0, 0, 0, 0, 0], dtype=torch.int64, device=self.device))
-
     def stop(self) -> None:
-        self._broadcast(torch.tensor([Kind.STOP, 0, 0, 0, 0, 0], dtype=torch.int64, device=self.device))
+        """Tells the followers to exit (once)."""
+        with self._lock:
+            if not self._stopped:
+                self._send_locked(self._signal(Kind.STOP))
+                self._stopped = True
+
+    def _heartbeats(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)  # the current device is per thread
+        while not self._stopped:
+            time.sleep(HEARTBEAT_S / 4)
+            if time.monotonic() - self._last_sent < HEARTBEAT_S:
+                continue
+            with self._lock:
+                if not self._stopped and time.monotonic() - self._last_sent >= HEARTBEAT_S:
+                    self._send_locked(self._signal(Kind.HEARTBEAT))
+
+    def _signal(self, kind: Kind) -> torch.Tensor:
+        return torch.tensor([kind, 0, 0, 0, 0, 0], dtype=torch.int64, device=self.device)
 
     def _broadcast(self, message: torch.Tensor) -> None:
+        with self._lock:
+            if self._stopped:
+                raise RuntimeError("tensor parallel: the other ranks were told to stop")
+            self._send_locked(message)
+
+    def _send_locked(self, message: torch.Tensor) -> None:
         length = torch.tensor([message.shape[0]], dtype=torch.int64, device=self.device)
         dist.broadcast(length, src=0, group=self.tp.group)
         dist.broadcast(message, src=0, group=self.tp.group)
+        self._last_sent = time.monotonic()
 
     def _table_deltas(self, rows: list[int], seq_lens: list[int]) -> np.ndarray:
         """(row, position, slot) triples, flat, where the rows' first seq_len entries differ

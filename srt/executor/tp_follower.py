@@ -5,6 +5,7 @@ cache of its own: one policy, on rank 0, decides for all."""
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import sys
 import traceback
@@ -43,7 +44,8 @@ def run_tp_follower_process(server_args: dict[str, Any], rank: int, local_rank: 
         ready.send(io_struct.encode(ReadySignal(follower_name(rank), False, error=f"{type(e).__name__}: {e}")))
         ready.close()
         sys.exit(1)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    # Nothing to save on the way out; SIGTERM may arrive while it already exits (rank 0 said stop).
+    signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
     ready.send(io_struct.encode(ReadySignal(follower_name(rank), True)))
     ready.close()
     ctx.term()

@@ -8,7 +8,7 @@ import signal
 import sys
 import traceback
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import zmq
 
@@ -37,13 +37,10 @@ class _Sent:
 
 
 class SchedulerLoop:
-    def __init__(self, scheduler: Scheduler, recv: zmq.Socket, send: zmq.Socket,
-                 on_idle: Callable[[], None] | None = None):
-        """on_idle: called after each idle poll (tensor parallelism: a heartbeat to the other ranks)."""
+    def __init__(self, scheduler: Scheduler, recv: zmq.Socket, send: zmq.Socket):
         self.scheduler = scheduler
         self.recv = recv
         self.send = send
-        self.on_idle = on_idle
         self.sent: dict[str, _Sent] = {}
         self.reqs: dict[str, Req] = {}
 
@@ -56,8 +53,6 @@ class SchedulerLoop:
                 self._drain_requests()
             if self.scheduler.has_work:
                 self.run_step()
-            elif self.on_idle is not None:
-                self.on_idle()
 
     def run_step(self) -> None:
         try:
@@ -205,7 +200,7 @@ def run_scheduler_process(server_args: dict[str, Any], recv_addr: str, send_addr
         "max_total_tokens": scheduler.allocator.capacity, "context_len": scheduler.context_len})))
     ready.close()
     try:
-        SchedulerLoop(scheduler, recv, send, sender.heartbeat if sender else None).run_forever()
+        SchedulerLoop(scheduler, recv, send).run_forever()
     finally:
         if sender is not None:
             sender.stop()
