@@ -73,10 +73,12 @@ def test_cache_aware_policy():
     assert policy.pick(long_prefix + "2", [a, b]) is a  # the holder, within the threshold
     a.in_flight = 3
     assert policy.pick(long_prefix + "2", [a, b]) is b  # 3 - 0 > 2: the least loaded
-    a.in_flight = 0
-    b.in_flight = 1
-    assert policy.pick("x" * 10 + "z" * 90, [a, b]) is a  # a short match counts as none: least loaded
-    assert policy.pick(None, [a, b]) is a
+    a.in_flight, b.in_flight = 0, 1
+    assert policy.pick(None, [a, b]) is a  # no key: the least loaded
+    # A short match counts as none: a new prefix, for the worker holding less text ("b")...
+    assert policy.pick("x" * 10 + "z" * 90, [a, b]) is b
+    b.in_flight = 3
+    assert policy.pick("x" * 10 + "z" * 90, [a, b]) is a  # ...unless it is overloaded
     rr = RoundRobin()
     assert [rr.pick("k", [a, b]).url for _ in range(4)] == ["a", "b", "a", "b"]
 

@@ -200,7 +200,7 @@ def create_router_app(pool: WorkerPool, proxy: Proxy, policy_name: str, api_key:
         metrics.healthy.set(len(pool.healthy()))
         if pool.healthy():
             return Response(status_code=200)
-        return proxy.unavailable([], set())
+        return proxy.unavailable([], set(), count=False)
 
     @app.get("/metrics")
     async def metrics_route() -> Response:

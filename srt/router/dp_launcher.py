@@ -47,7 +47,7 @@ def replica_argv(args: ServerArgs, ns: argparse.Namespace, port: int) -> list[st
     """The replica's command line: every flag the user changed, but dp_size 1 on 127.0.0.1:port;
     the API key travels in the environment (kept out of `ps`)."""
     argv = [sys.executable, "-m", "radixlm.srt.launch"]
-    skip = {"dp_size", "host", "port", "api_key"}
+    skip = {"dp_size", "host", "port", "api_key", "dist_init_addr"}  # each replica its own rendezvous
     for f in dataclasses.fields(ServerArgs):
         value = getattr(args, f.name)
         if f.name in skip or value == f.default:

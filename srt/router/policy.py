@@ -1,11 +1,12 @@
 """Which worker gets a request.
 
 cache_aware (the default): the worker holding the longest prefix of the request's key in the
-router's prefix tree, unless its load (requests in flight through the router) exceeds the
-least-loaded worker's by more than `balance_threshold`; then the least-loaded one. A request
-whose best match covers less than `cache_threshold` of its key (or that has no key) goes to the
-least-loaded worker. Ties in load go to the worker with the least text in the tree (which
-spreads new prefixes over the workers' caches), then to the one sent fewer requests.
+router's prefix tree. A request whose best match covers less than `cache_threshold` of its key
+(or that has no key) starts a new prefix: it goes to the worker holding the least text in the
+tree, which spreads prefixes (and so the later requests that share them) evenly over the
+workers; loads at the moment a prefix first arrives say little about the load its followers
+will bring. Either way, when the chosen worker has more than `balance_threshold` requests in
+flight (through the router) beyond the least-loaded worker, the least-loaded one gets it.
 round_robin: the next healthy worker in turn (the baseline of the benchmark).
 least_load: the worker with the fewest requests in flight.
 """
@@ -64,8 +65,9 @@ class CacheAware(LeastLoad):
             return least
         matched, holders = self.tree.match(key, [w.url for w in candidates])
         if matched == 0 or matched < self.cache_threshold * len(key):
-            return least
-        best = min((w for w in candidates if w.url in holders), key=lambda w: (w.in_flight, w.url))
+            best = min(candidates, key=lambda w: (self.tree.size(w.url), w.in_flight, w.requests, w.url))
+        else:
+            best = min((w for w in candidates if w.url in holders), key=lambda w: (w.in_flight, w.url))
         if best.in_flight - least.in_flight > self.balance_threshold:
             return least
         return best

@@ -69,8 +69,11 @@ class Proxy:
                     return w
         return self.policy.pick(key, candidates)
 
-    def unavailable(self, failures: list[str], tried: set[str]) -> Response:
-        self.metrics.no_worker.inc()
+    def unavailable(self, failures: list[str], tried: set[str], count: bool = True) -> Response:
+        """503 naming each worker and why it could not serve (`count`: a refused request, not a
+        health probe)."""
+        if count:
+            self.metrics.no_worker.inc()
         down = [f"{w.url}: {w.reason}" for w in self.pool.workers if not w.healthy and w.url not in tried]
         if failures:
             message = "no worker could serve the request: " + "; ".join(failures + down)
