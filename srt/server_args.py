@@ -13,6 +13,14 @@ def _arg(default: Any, help: str) -> Any:
     return dataclasses.field(default=default, metadata={"help": help})
 
 
+def split_addr(addr: str) -> tuple[str, int]:
+    """(host, port) of a host:port address ([::1]:port for IPv6)."""
+    host, sep, port = addr.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise ValueError(f"dist_init_addr: expected host:port, got {addr!r}")
+    return host.strip("[]"), int(port)
+
+
 @dataclass(frozen=True)
 class ServerArgs:
     model_path: str | None = _arg(None, "Hugging Face directory, hub id or .gguf file; unset: the embedded "
@@ -61,15 +69,16 @@ class ServerArgs:
                                               "template")
     reasoning_parser: str | None = _arg(None, "qwen3 | deepseek-r1: the think block comes back as "
                                               "reasoning_content")
-    speculative_algorithm: str | None = _arg(None, "ngram (drafts by prompt lookup, no extra model); unset: "
-                                                   "no speculative decoding")
+    speculative_algorithm: str | None = _arg(None, "ngram (drafts by prompt lookup, no extra model) | draft "
+                                                   "(STANDALONE: a smaller model drafts); unset: no speculative "
+                                                   "decoding")
     speculative_num_draft_tokens: int = _arg(4, "draft tokens verified per step")
     speculative_ngram_max_match_window_size: int = _arg(4, "ngram: longest suffix matched against earlier tokens")
     speculative_ngram_min_match_window_size: int = _arg(1, "ngram: shortest suffix matched")
     speculative_draft_model_path: str | None = _arg(None, "draft / STANDALONE: the smaller model that drafts "
                                                           "(same tokenizer as the target)")
-    speculative_num_steps: int | None = _arg(None, "draft / STANDALONE: draft forwards per step (unset: "
-                                                   "speculative_num_draft_tokens)")
+    speculative_num_steps: int | None = _arg(None, "draft / STANDALONE: tokens the draft model drafts per "
+                                                   "step (unset: speculative_num_draft_tokens)")
     quantization: str | None = _arg(None, "fp8: the layers' projections quantized to FP8 e4m3 at load (per-channel "
                                           "weight scales, per-token activations; checkpoints already in FP8 are "
                                           "refused); unset: the checkpoint's dtype")
@@ -118,6 +127,27 @@ class ServerArgs:
         if not 0.0 < self.mem_fraction_static < 1.0:
             raise ValueError("mem_fraction_static: must be between 0 and 1")
         self._check_quantization()
+        self._check_parallel()
+
+    def _check_parallel(self) -> None:
+        if self.tp_size < 1:
+            raise ValueError("tp_size: must be >= 1")
+        if self.dp_size < 1:
+            raise ValueError("dp_size: must be >= 1")
+        if self.nnodes < 1 or self.tp_size % self.nnodes:
+            raise ValueError(f"nnodes: {self.nnodes} must be >= 1 and divide tp_size {self.tp_size} (each node runs "
+                             "tp_size / nnodes ranks)")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"node_rank: {self.node_rank} must be between 0 and nnodes - 1 ({self.nnodes - 1})")
+        if self.nnodes > 1 and not self.dist_init_addr:
+            raise ValueError("dist_init_addr: required with nnodes > 1 (node 0's host:port, the same on every node)")
+        if self.nnodes > 1 and self.dp_size > 1:
+            raise ValueError("dp_size: replicas across several nodes are started one per node and joined with "
+                             "`radixlm router`, not with --nnodes")
+        if self.dist_init_addr:
+            split_addr(self.dist_init_addr)  # raises naming the field
+        if self.dist_timeout <= 0:
+            raise ValueError("dist_timeout: must be > 0")
 
     def _check_quantization(self) -> None:
         # SGLang's spellings that mean the same thing are accepted and normalised.
@@ -136,15 +166,38 @@ class ServerArgs:
 
     def _check_speculative(self) -> None:
         name = self.speculative_algorithm
-        if name.lower() != "ngram":
-            raise ValueError(f"speculative_algorithm: {name!r} is not implemented (ngram is; draft-model, "
-                             "EAGLE and STANDALONE speculation are not)")
-        object.__setattr__(self, "speculative_algorithm", "ngram")  # SGLang spells it NGRAM
+        algorithm = {"ngram": "ngram", "draft": "draft", "standalone": "draft"}.get(name.lower())
+        if algorithm is None:
+            raise ValueError(f"speculative_algorithm: {name!r} is not implemented (ngram and draft / STANDALONE "
+                             "are; EAGLE, EAGLE3 and MTP speculation are not)")
+        object.__setattr__(self, "speculative_algorithm", algorithm)  # SGLang spells them NGRAM, STANDALONE
         if not 1 <= self.speculative_num_draft_tokens <= 16:
             raise ValueError("speculative_num_draft_tokens: must be between 1 and 16")
-        low, high = self.speculative_ngram_min_match_window_size, self.speculative_ngram_max_match_window_size
-        if not 1 <= low <= high:
-            raise ValueError("speculative_ngram_min_match_window_size: must be >= 1 and at most the max window size")
+        if algorithm == "ngram":
+            if self.speculative_draft_model_path is not None:
+                raise ValueError("speculative_draft_model_path: ngram speculation drafts without a model; use "
+                                 "--speculative-algorithm draft for a draft model")
+            low, high = self.speculative_ngram_min_match_window_size, self.speculative_ngram_max_match_window_size
+            if not 1 <= low <= high:
+                raise ValueError("speculative_ngram_min_match_window_size: must be >= 1 and at most the max "
+                                 "window size")
+            return
+        if not self.speculative_draft_model_path:
+            raise ValueError(f"speculative_draft_model_path: required with speculative_algorithm {name!r}")
+        if self.tp_size > 1:
+            raise ValueError("speculative_algorithm: a draft model under tensor parallelism (tp_size > 1) is not "
+                             "implemented; ngram speculation needs no model")
+        if self.speculative_num_steps is not None and not 1 <= self.speculative_num_steps <= 16:
+            raise ValueError("speculative_num_steps: must be between 1 and 16")
+
+    @property
+    def speculative_drafts_per_step(self) -> int:
+        """Draft tokens a verify step checks: the draft model's forwards, or the n-gram draft length."""
+        if not self.speculative_algorithm:
+            return 0
+        if self.speculative_algorithm == "draft" and self.speculative_num_steps is not None:
+            return self.speculative_num_steps
+        return self.speculative_num_draft_tokens
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> "ServerArgs":

@@ -26,6 +26,7 @@ import torch
 from radixlm.srt.configs import ModelConfig
 from radixlm.srt.executor.gguf_loader import convert_gguf, convert_gguf_tokenizer
 from radixlm.srt.executor.quantization.checkpoint import check_checkpoint_quantization
+from radixlm.srt.executor.models.sharding import Piece, ShardPlan
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +57,7 @@ class LoadedModel:
     config: ModelConfig
     tokenizer: Any
     weights: Mapping[str, torch.Tensor]  # a dict, or DummyWeights (made when read) for load_format="dummy"
+    shard: ShardPlan | None = None  # tensor parallelism: this rank's part (weights hold only that)
 
 
 def default_model_path() -> str:
@@ -84,6 +86,7 @@ def load_model(
     tokenizer_path: str | os.PathLike[str] | None = None,
     device: str | torch.device = "cpu",
     with_weights: bool = True,
+    tensor_parallel: tuple[int, int] = (0, 1),
 ) -> LoadedModel:
     """Load config, tokenizer and weights.
 
@@ -97,6 +100,7 @@ def load_model(
     device: where the weights are put; dummy weights are generated there directly.
     with_weights: False reads config and tokenizer only (`weights` is empty), for processes
         that never run the model.
+    tensor_parallel: (rank, size): read only this rank's part of each tensor (sharding.py).
     """
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
@@ -111,6 +115,8 @@ def load_model(
     check_checkpoint_quantization(hf_config, source)  # FP8 / quantized checkpoints: refused by name
     _apply_overrides(hf_config, model_config_overrides or {})
     config = _model_config(hf_config, source)
+    rank, size = tensor_parallel
+    shard = ShardPlan.for_rank(config, rank, size) if size > 1 else None
 
     if tokenizer_path is not None:
         tokenizer = load_tokenizer(tokenizer_path)
@@ -124,15 +130,17 @@ def load_model(
         weights = {}
     elif load_format == "dummy":
         weights = random_weights(config, dtype=dtype, device=device)
+        # Made whole and cut, one tensor at a time: a rank's part equals the same part at any tp_size.
+        weights = ShardedWeights(weights, shard) if shard else weights
     else:
-        weights = _load_safetensors(local_dir, config, dtype, device)
+        weights = _load_safetensors(local_dir, config, dtype, device, shard)
     size_mib = (sum(math.prod(shape) for shape in weight_shapes(config).values()) * dtype.itemsize / 2**20
                 if weights else 0.0)
     logger.info(
         "loaded %s (%s, %d tensors, %.0f MiB %s on %s) in %.2fs",
         source, load_format, len(weights), size_mib, dtype, device, time.perf_counter() - started,
     )
-    return LoadedModel(source, str(local_dir), hf_config, config, tokenizer, weights)
+    return LoadedModel(source, str(local_dir), hf_config, config, tokenizer, weights, shard)
 
 
 def load_tokenizer(path: str | os.PathLike[str]) -> Any:
@@ -190,6 +198,35 @@ class DummyWeights(Mapping[str, torch.Tensor]):
 
     def __len__(self) -> int:
         return len(self.shapes)
+
+
+class ShardedWeights(Mapping[str, torch.Tensor]):
+    """A rank's part of each tensor of another mapping, cut when read."""
+
+    def __init__(self, weights: Mapping[str, torch.Tensor], shard: ShardPlan):
+        self.weights, self.shard = weights, shard
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        full = self.weights[name]
+        return take_pieces(full, self.shard.pieces(name), tuple(full.shape), full.dtype)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.weights)
+
+    def __len__(self) -> int:
+        return len(self.weights)
+
+
+def take_pieces(source: Any, pieces: list[Piece] | None, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """The pieces of `source` (a tensor, or a safetensors slice, so only they are read),
+    joined along their dim. None: all of it; []: zeros of its shape (a row-parallel bias
+    that lives on rank 0)."""
+    if pieces is None:
+        return source[:] if not isinstance(source, torch.Tensor) else source
+    if not pieces:
+        return torch.zeros(shape, dtype=dtype)
+    parts = [source[start:stop] if dim == 0 else source[:, start:stop] for dim, start, stop in pieces]
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=pieces[0][0])
 
 
 def _resolve(source: str, load_format: str, expected_sha256: str | None) -> tuple[Path, Path]:
@@ -278,7 +315,8 @@ def _safetensors_files(local_dir: Path) -> list[Path]:
 
 
 def _load_safetensors(
-    local_dir: Path, config: ModelConfig, dtype: torch.dtype, device: str | torch.device
+    local_dir: Path, config: ModelConfig, dtype: torch.dtype, device: str | torch.device,
+    plan: ShardPlan | None = None,
 ) -> dict[str, torch.Tensor]:
     from safetensors import safe_open
 
@@ -287,20 +325,29 @@ def _load_safetensors(
     unexpected: list[str] = []
     for file in _safetensors_files(local_dir):
         # One tensor at a time, so peak memory is one shard plus one cast tensor.
-        with safe_open(str(file), framework="pt", device=str(device)) as shard:
-            for name in shard.keys():
+        with safe_open(str(file), framework="pt", device=str(device)) as reader:
+            for name in reader.keys():
                 if name not in expected:
                     # Old checkpoints keep rotary inv_freq buffers; tied models may still save lm_head.
                     if not (name.endswith("rotary_emb.inv_freq") or name == "lm_head.weight"):
                         unexpected.append(name)
                     continue
-                weights[name] = shard.get_tensor(name).to(dtype)
+                if plan is None:
+                    weights[name] = reader.get_tensor(name).to(dtype)
+                    continue
+                found = tuple(reader.get_slice(name).get_shape())
+                if found != expected[name]:  # checked whole here: a rank reads only its part
+                    raise ValueError(f"{local_dir}: tensor {name} has shape {found}, the config needs "
+                                     f"{expected[name]}")
+                weights[name] = take_pieces(reader.get_slice(name), plan.pieces(name), found, dtype).to(
+                    device=device, dtype=dtype)
     if unexpected:
         logger.warning("%s: ignoring %d tensors the model does not use, e.g. %s", local_dir, len(unexpected), unexpected[:3])
     missing = [name for name in expected if name not in weights]
     if missing:
         raise ValueError(f"{local_dir}: checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")
-    wrong = [(name, tuple(weights[name].shape), shape) for name, shape in expected.items() if tuple(weights[name].shape) != shape]
+    wrong = [] if plan else [(name, tuple(weights[name].shape), shape) for name, shape in expected.items()
+                             if tuple(weights[name].shape) != shape]
     if wrong:
         raise ValueError(f"{local_dir}: tensor shapes differ from the config (name, found, expected): {wrong[:3]}")
     return weights

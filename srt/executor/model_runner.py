@@ -15,7 +15,9 @@ from radixlm.srt.executor.forward_batch import ForwardBatch
 from radixlm.srt.executor.mem_pool import KVPool, kv_cache_torch_dtype
 from radixlm.srt.executor.models.registry import model_class
 from radixlm.srt.executor.quantization import apply_quantization
+from radixlm.srt.executor.models.sharding import ShardPlan
 from radixlm.srt.executor.models.ops import select_ops
+from radixlm.srt.executor import parallel
 from radixlm.srt.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
@@ -26,8 +28,13 @@ CPU_DEFAULT_KV_TOKENS = 32768
 
 class ModelRunner:
     def __init__(self, loaded, args: ServerArgs, req_to_token: torch.Tensor, num_kv_slots: int):
+        """Under tensor parallelism (`parallel.current()`), `loaded` holds this rank's shard and
+        rank 0 sends every batch to the other ranks before running it (step_broadcast.py)."""
         self.args = args
+        self.tp = parallel.current()
         self.device = torch.device(args.resolved_device())
+        if self.device.type == "cuda":  # a rank's own GPU (parallel.py set it)
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self.dtype = args.resolved_dtype()
         self.config: ModelConfig = loaded.config
         start = time.perf_counter()
@@ -40,18 +47,24 @@ class ModelRunner:
         torch.set_default_dtype(self.dtype)
         try:
             with torch.device(self.device):
-                self.model = model_class(cfg)(cfg, loaded.hf_config, self.ops)
+                self.model = model_class(cfg)(cfg, loaded.hf_config, self.ops, shard=loaded.shard, tp=self.tp)
         finally:
             torch.set_default_dtype(previous_dtype)
         self.model.load_weights(loaded.weights)
         # .to(device) too: rotary tables are built on the host (fp64 math) whatever the device.
         self.model.to(device=self.device, dtype=self.dtype).eval()
         apply_quantization(self.model, args, self.device)  # --quantization fp8: projections to FP8
+        local = self.model.config  # this rank's heads under tensor parallelism
         kv_dtype = kv_cache_torch_dtype(args.kv_cache_dtype, self.dtype)  # --kv-cache-dtype fp8_e4m3: FP8
-        self.kv_pool = KVPool(num_kv_slots, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, kv_dtype, self.device)
+        self.kv_pool = KVPool(num_kv_slots, cfg.num_layers, local.num_kv_heads, cfg.head_dim, kv_dtype, self.device)
         self.attention_backend_name = resolve_attention_backend(args.attention_backend, self.device, self.dtype)
         self.attn_backend = self._make_backend(req_to_token)
         self.graph_runner = self._make_graph_runner(req_to_token)
+        self.step_sender = None
+        if self.tp.enabled and self.tp.rank == 0:
+            from radixlm.srt.executor.step_broadcast import StepSender
+
+            self.step_sender = StepSender(self.tp, req_to_token.numpy(), self.device)
         logger.info("model ready on %s (%s, %s attention, %s ops, CUDA graphs %s) in %.1fs, %d KV slots",
                     self.device, self.dtype, self.attention_backend_name, self.ops.name,
                     "on" if self.graph_runner else "off", time.perf_counter() - start, num_kv_slots)
@@ -70,7 +83,8 @@ class ModelRunner:
         from radixlm.srt.executor.attention.flashinfer_backend import FlashInferBackend
 
         check_backend_supports(FlashInferBackend, layers, cfg.architecture)
-        return FlashInferBackend(self.kv_pool, req_to_token, self.args.page_size, cfg.num_heads, cfg.num_kv_heads,
+        local = self.model.config
+        return FlashInferBackend(self.kv_pool, req_to_token, self.args.page_size, local.num_heads, local.num_kv_heads,
                                  cfg.head_dim, cfg.attention_scale, self.dtype, cascade=cascade, layers=layers)
 
     def _make_graph_runner(self, req_to_token: torch.Tensor):
@@ -89,6 +103,8 @@ class ModelRunner:
         """Float32 logits for `batch.logit_rows`: [len(logit_rows), vocab]."""
         # A decode batch with enough shared-prefix KV runs cascade attention: in its bucket's
         # cascade graph, or eagerly where the bucket has none (should_replay asks the backend).
+        if self.step_sender is not None:
+            self.step_sender.send(batch)
         graphs = self.graph_runner
         if graphs is not None and graphs.should_replay(batch):
             return graphs.replay(batch)
@@ -124,16 +140,20 @@ def kv_slots_for(config: ModelConfig, args: ServerArgs) -> int:
         return args.max_total_tokens
     if args.resolved_device() == "cpu":
         return CPU_DEFAULT_KV_TOKENS
+    tp = parallel.current()
     dtype = args.resolved_dtype()
     free, total = torch.cuda.mem_get_info()
+    # This rank's part of the weights and of each token's KV; every rank then takes the
+    # smallest count, so slot numbers mean the same on all.
+    local = ShardPlan.for_rank(config, tp.rank, tp.size).local_config(config) if tp.enabled else config
     # Called before the runner builds its copy of the weights (the loaded ones are freed after).
-    budget = free - (1.0 - args.mem_fraction_static) * total - model_bytes(config, dtype, args.quantization)
-    bytes_per_token = KVPool.bytes_per_token(config.num_layers, config.num_kv_heads, config.head_dim,
+    budget = free - (1.0 - args.mem_fraction_static) * total - model_bytes(local, dtype, args.quantization)
+    bytes_per_token = KVPool.bytes_per_token(local.num_layers, local.num_kv_heads, local.head_dim,
                                              kv_cache_torch_dtype(args.kv_cache_dtype, dtype))
     if budget < bytes_per_token * 4096:
         raise ValueError(f"mem_fraction_static: {args.mem_fraction_static} leaves no room for the KV cache "
                          f"({free / 2**30:.1f} GiB free of {total / 2**30:.1f} GiB)")
-    return int(budget // bytes_per_token)
+    return tp.min_on_host(int(budget // bytes_per_token))
 
 
 def model_bytes(config: ModelConfig, dtype: torch.dtype, quantization: str | None = None) -> int:
