@@ -101,10 +101,14 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Float32 logits for `batch.logit_rows`: [len(logit_rows), vocab]."""
+        if self.step_sender is None:
+            return self._forward(batch)
+        with self.step_sender.sending(batch):  # tensor parallelism: the other ranks run it too
+            return self._forward(batch)
+
+    def _forward(self, batch: ForwardBatch) -> torch.Tensor:
         # A decode batch with enough shared-prefix KV runs cascade attention: in its bucket's
         # cascade graph, or eagerly where the bucket has none (should_replay asks the backend).
-        if self.step_sender is not None:
-            self.step_sender.send(batch)
         graphs = self.graph_runner
         if graphs is not None and graphs.should_replay(batch):
             return graphs.replay(batch)

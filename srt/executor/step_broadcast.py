@@ -18,6 +18,7 @@ a second (a server waiting for requests, or an Engine between calls).
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import threading
 import time
@@ -40,7 +41,7 @@ class Kind(enum.IntEnum):
 
 
 class StepSender:
-    """Rank 0's side: `send(batch)` before each forward."""
+    """Rank 0's side: `with sender.sending(batch): <run the forward>`."""
 
     def __init__(self, tp: TensorParallel, table: np.ndarray, device: torch.device):
         self.tp = tp
@@ -53,7 +54,17 @@ class StepSender:
         self._stopped = False
         threading.Thread(target=self._heartbeats, name="tp-heartbeat", daemon=True).start()
 
-    def send(self, batch: ForwardBatch) -> None:
+    @contextlib.contextmanager
+    def sending(self, batch: ForwardBatch):
+        """Sends `batch`, then holds the group while the caller launches the forward: its
+        collectives must not interleave with a heartbeat from the other thread."""
+        with self._lock:
+            if self._stopped:
+                raise RuntimeError("tensor parallel: the other ranks were told to stop")
+            self._send_locked(self._message(batch))
+            yield
+
+    def _message(self, batch: ForwardBatch) -> torch.Tensor:
         deltas = self._table_deltas(batch.req_pool_indices_cpu, batch.seq_lens_cpu)
         mode = 0 if batch.mode is ForwardMode.EXTEND else 1
         positions, out_cache_loc, logit_rows = (np.asarray(list(c), np.int64) for c in batch.host_columns)
@@ -63,8 +74,7 @@ class StepSender:
             positions, out_cache_loc, np.asarray(batch.req_pool_indices_cpu, np.int64),
             np.asarray(batch.seq_lens_cpu, np.int64), np.asarray(batch.prefix_lens_cpu, np.int64),
             np.asarray(batch.extend_lens_cpu, np.int64), logit_rows, deltas])
-        message = torch.cat([torch.from_numpy(host).to(self.device, non_blocking=True), batch.input_ids])
-        self._broadcast(message)
+        return torch.cat([torch.from_numpy(host).to(self.device, non_blocking=True), batch.input_ids])
 
     def stop(self) -> None:
         """Tells the followers to exit (once)."""
@@ -86,12 +96,6 @@ class StepSender:
 
     def _signal(self, kind: Kind) -> torch.Tensor:
         return torch.tensor([kind, 0, 0, 0, 0, 0], dtype=torch.int64, device=self.device)
-
-    def _broadcast(self, message: torch.Tensor) -> None:
-        with self._lock:
-            if self._stopped:
-                raise RuntimeError("tensor parallel: the other ranks were told to stop")
-            self._send_locked(message)
 
     def _send_locked(self, message: torch.Tensor) -> None:
         length = torch.tensor([message.shape[0]], dtype=torch.int64, device=self.device)
