@@ -37,8 +37,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import serving_datasets as ds  # noqa: E402
 from serving_server import ManagedServer, measure_noise, raise_on_sigterm  # noqa: E402
 
+from radixlm.srt.router.cli import raise_open_files_limit  # noqa: E402
+
+# bench_gpu_llama8b.py's serving flags; the queue holds the whole workload (one replica alone
+# gets all 1024 requests at once).
 GPU_SERVER_ARGS = ("--max-running-requests 512 --cuda-graph-max-bs 512 --chunked-prefill-size 16384 "
-                   "--max-prefill-tokens 16384")
+                   "--max-prefill-tokens 16384 --max-queued-requests 1024")
 PRESETS = {
     "cpu": dict(groups=8, per_group=8, prefix_len=512, unique_len=32, output_len=16,
                 server_args="--max-total-tokens 65536"),
@@ -177,6 +181,7 @@ def machine() -> str:
 
 def main() -> int:
     signal.signal(signal.SIGTERM, raise_on_sigterm)
+    raise_open_files_limit()  # a socket per request in flight
     args = resolve(build_parser().parse_args())
     command = "python " + shlex.join(sys.argv)
     dp = ManagedServer(["--dp-size", "2", *replica_flags(args)], args.startup_timeout)

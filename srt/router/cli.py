@@ -96,6 +96,20 @@ def parse_args(argv: list[str]) -> RouterConfig:
     return config
 
 
+def raise_open_files_limit() -> None:
+    """Every request in flight holds two sockets in the router (and one in its worker, which
+    inherits the limit when the DP launcher starts it): 1024 requests at once would pass the
+    usual soft limit of 1024 open files."""
+    try:
+        import resource
+
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if soft != resource.RLIM_INFINITY and (hard == resource.RLIM_INFINITY or soft < hard):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, 1 << 20), hard))
+    except (ImportError, ValueError, OSError):
+        pass
+
+
 class RouterServer(uvicorn.Server):
     """uvicorn's server, except that SIGINT/SIGTERM end it with exit code 0 as they end `radixlm
     serve` (uvicorn would raise the signal again after shutting down); a second SIGINT forces."""
@@ -113,6 +127,7 @@ async def serve_router(config: RouterConfig, sock: socket.socket,
     """Serves until SIGINT/SIGTERM (0) or until `supervise` (the DP launcher's watch over its
     replicas) returns after setting server.should_exit (its exit code on the server: 1)."""
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per forwarded request
+    raise_open_files_limit()
     timeout = httpx.Timeout(connect=config.connect_timeout, read=config.request_timeout, write=60.0, pool=None)
     # Idle connections expire before uvicorn's own 5 s keep-alive closes them from the other end
     # (a request on a connection the worker is closing would look like a dead worker).

@@ -27,7 +27,7 @@ from typing import Any
 import httpx
 
 from radixlm.srt.process_utils import bind_port, stage
-from radixlm.srt.router.cli import RouterConfig, serve_router
+from radixlm.srt.router.cli import RouterConfig, raise_open_files_limit, serve_router
 from radixlm.srt.server_args import ServerArgs
 
 logger = logging.getLogger("radixlm.dp")
@@ -152,6 +152,7 @@ def launch_dp(args: ServerArgs, ns: argparse.Namespace) -> int:
     except (ValueError, OSError) as e:
         logger.error("%s", e)
         return 1
+    raise_open_files_limit()  # before the replicas start: they inherit it
     env = dict(os.environ)
     if args.api_key:
         env[API_KEY_ENV] = args.api_key
