@@ -174,6 +174,23 @@ def test_router_without_workers_answers_503_naming_them_and_guards_the_key():
         silent.close()
 
 
+def test_dp_gpu_groups_and_too_few_gpus_fail_before_anything_starts(monkeypatch):
+    from radixlm.srt.router.dp_launcher import gpu_groups
+    from radixlm.srt.server_args import ServerArgs
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7")
+    assert gpu_groups(ServerArgs(device="cuda", dp_size=2, tp_size=2)) == ["4,5", "6,7"]
+    assert gpu_groups(ServerArgs(device="cpu", dp_size=2)) == [None, None]
+    port = free_port()
+    start = time.monotonic()
+    out = subprocess.run([sys.executable, "-m", "radixlm.srt.launch", "--dp-size", "3", "--device", "cuda",
+                          "--port", str(port)], env={**os.environ, "CUDA_VISIBLE_DEVICES": "0,1"},
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1 and time.monotonic() - start < 60
+    assert "--dp-size 3 x --tp-size 1 needs 3 GPUs; 2 visible (CUDA_VISIBLE_DEVICES=0,1)" in out.stderr
+    assert "replica" not in out.stderr and "loading" not in out.stderr  # nothing started
+
+
 # ---- two replicas: radixlm serve --dp-size 2 -------------------------------------------------------
 
 @pytest.fixture(scope="module")
