@@ -117,6 +117,31 @@ def test_metrics_merge_labels_every_sample_once_per_family():
     assert merged.count("# TYPE radixlm_kv_usage") == 1
 
 
+def test_router_caps_request_bodies_chunked_ones_too():
+    import asyncio
+
+    from radixlm.srt.router.app import create_router_app
+    from radixlm.srt.router.policy import make_policy
+    from radixlm.srt.router.proxy import Proxy
+    from radixlm.srt.router.worker_metrics import RouterMetrics
+    from radixlm.srt.router.workers import WorkerPool
+
+    async def run() -> tuple[httpx.Response, httpx.Response]:
+        async with httpx.AsyncClient() as upstream:
+            pool = WorkerPool([f"127.0.0.1:{free_port()}"], upstream, {}, 1.0, 1.0)
+            proxy = Proxy(pool, make_policy("cache_aware", 1000, 32, 0.5), upstream, RouterMetrics(), 5.0)
+            app = create_router_app(pool, proxy, "cache_aware", None, max_request_bytes=100)
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://router") as c:
+                async def chunks():
+                    for _ in range(5):
+                        yield b"x" * 50
+                return await c.post("/generate", content=chunks()), await c.post("/generate", json={"text": "hi"})
+
+    big, small = asyncio.run(run())
+    assert big.status_code == 413 and "--max-request-bytes" in big.json()["error"]["message"]
+    assert small.status_code == 503 and small.json()["error"]["message"].startswith("no healthy workers")
+
+
 # ---- a router without a model ---------------------------------------------------------------------
 
 class RouterProcess:

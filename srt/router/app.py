@@ -32,6 +32,10 @@ _ANY_WORKER_POST = ("/tokenize", "/v1/tokenize")
 _GATHER_TIMEOUT_S = 5.0
 
 
+class _BodyTooLarge(Exception):
+    pass
+
+
 class RouterGuard:
     """API key (as the server checks it: Authorization: Bearer <key>, /health open) and a cap on
     the body size, as a plain ASGI middleware."""
@@ -42,18 +46,39 @@ class RouterGuard:
         self.max_bytes = max_request_bytes
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        if scope["type"] == "http":
-            headers = dict(scope["headers"])
-            length = headers.get(b"content-length", b"0")
-            if not length.isdigit() or int(length) > self.max_bytes:
-                return await error_response(413, f"request body over {self.max_bytes} bytes "
-                                            "(--max-request-bytes)")(scope, receive, send)
-            if self.api_key and scope["path"] not in OPEN_PATHS:
-                token = bearer_token(headers.get(b"authorization", b""))
-                if token is None or not secrets.compare_digest(token, self.api_key):
-                    return await error_response(401, "missing or wrong API key (Authorization: Bearer "
-                                                "<key>)")(scope, receive, send)
-        await self.app(scope, receive, send)
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        too_large = error_response(413, f"request body over {self.max_bytes} bytes (--max-request-bytes)")
+        headers = dict(scope["headers"])
+        length = headers.get(b"content-length", b"0")
+        if not length.isdigit() or int(length) > self.max_bytes:
+            return await too_large(scope, receive, send)
+        if self.api_key and scope["path"] not in OPEN_PATHS:
+            token = bearer_token(headers.get(b"authorization", b""))
+            if token is None or not secrets.compare_digest(token, self.api_key):
+                return await error_response(401, "missing or wrong API key (Authorization: Bearer "
+                                            "<key>)")(scope, receive, send)
+        received = 0
+        started = False
+
+        async def counting_receive() -> Any:  # a chunked body has no content-length to check
+            nonlocal received
+            message = await receive()
+            received += len(message.get("body", b""))
+            if received > self.max_bytes:
+                raise _BodyTooLarge()
+            return message
+
+        async def tracking_send(message: Any) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, counting_receive, tracking_send)
+        except _BodyTooLarge:
+            if not started:
+                await too_large(scope, receive, send)
 
 
 class ResponseOwners:
