@@ -48,6 +48,35 @@ def build_decode_batch(parts: list[ExtendPlan], device: torch.device,
     return batch
 
 
+def keeps_every_row(parts: list[ExtendPlan]) -> bool:
+    """Whether every part keeps the logits of each token it feeds (speculative verify parts, and
+    one-token parts beside them), its newest token being on the host: such a step can run as
+    `build_verify_batch`."""
+    return all(p.logit_count == p.extend_len and p.first_logit_pos == p.start and not p.input_logprobs
+               and not p.req.pending_tokens for p in parts)
+
+
+def build_verify_batch(parts: list[ExtendPlan], device: torch.device) -> ForwardBatch:
+    """A verify step as a decode batch with one row per token: row i of a part is its request at
+    position start + i, attending over the request's KV through that position, which this same
+    forward writes for the rows before it (each layer stores the step's K/V, then attends). So
+    it is causal over the drafts as an extend would be, and replays the decode CUDA graphs
+    (an eager extend forward of a few tokens costs several decode steps on a GPU)."""
+    input_ids: list[int] = []
+    positions: list[int] = []
+    rows: list[int] = []
+    for part in parts:
+        own = part.extend_len - len(part.drafts)
+        input_ids.extend(part.req.fill_ids[part.start:part.start + own])
+        input_ids.extend(part.drafts)
+        positions.extend(range(part.start, part.start + part.extend_len))
+        rows.extend([part.req.req_pool_idx] * part.extend_len)
+    slots = [slot for part in parts for slot in part.slots]
+    batch, _ = _forward_batch(device, ForwardMode.DECODE, input_ids, positions, slots, rows, positions,
+                              [1] * len(positions), range(len(positions)))
+    return batch
+
+
 def build_token_batch(parts: list[ExtendPlan], offset: int, tokens: torch.Tensor, device: torch.device) -> ForwardBatch:
     """A decode batch in which each part feeds one token already on the device, `tokens[i]`, at
     position `part.start + offset`, its KV going to `part.slots[offset]` (the draft model's

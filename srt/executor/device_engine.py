@@ -15,7 +15,8 @@ import numpy as np
 import torch
 
 from radixlm.srt.constrained.backend import GrammarBackend
-from radixlm.srt.executor.batch_builder import build_decode_batch, build_extend_batch
+from radixlm.srt.executor.batch_builder import (build_decode_batch, build_extend_batch, build_verify_batch,
+                                                keeps_every_row)
 from radixlm.srt.executor.grammar_mask import apply_grammar_masks
 from radixlm.srt.executor.logprobs import input_logprobs, output_logprobs
 from radixlm.srt.executor.model_runner import ModelRunner, kv_slots_for
@@ -30,7 +31,12 @@ from radixlm.srt.server_args import ServerArgs
 class DeviceEngine:
     @staticmethod
     def kv_capacity(config, args: ServerArgs) -> int:
-        """Token slots the KV pool can hold (--max-total-tokens, or what the device has room for)."""
+        """Token slots the KV pool can hold (--max-total-tokens, or what the device has room for;
+        with a draft model, each slot holds both models' K/V)."""
+        if args.speculative_algorithm == "draft":
+            from radixlm.srt.executor.draft_model import kv_slots_with_draft
+
+            return kv_slots_with_draft(config, args)
         return kv_slots_for(config, args)
 
     def __init__(self, loaded, args: ServerArgs, req_to_token: np.ndarray, num_kv_slots: int, *,
@@ -38,6 +44,11 @@ class DeviceEngine:
         """req_to_token: the scheduler's host table, read in place (a tensor view of it)."""
         self.device = torch.device(args.resolved_device())
         self.runner = ModelRunner(loaded, args, torch.from_numpy(req_to_token), num_kv_slots)
+        self.draft = None  # draft-model speculation: its own KV pool, the same slots
+        if args.speculative_algorithm == "draft":
+            from radixlm.srt.executor.draft_model import DraftModel
+
+            self.draft = DraftModel(loaded, args, torch.from_numpy(req_to_token), num_kv_slots)
         self.eos_ids = tuple(eos_ids)
         self._grammar_backend = grammar_backend
         # Overlap gains nothing where the forward itself runs on the host (CPU).
@@ -47,11 +58,19 @@ class DeviceEngine:
 
     @torch.inference_mode()
     def launch(self, plan: StepPlan) -> PendingStep:
+        draft_probs: dict[int, torch.Tensor] = {}  # by part index: the draft model's q
+        speculating = self.draft is not None and any(p.model_drafts for p in plan.parts)
+        if speculating:  # the draft model fills in the drafts (and its KV for the whole step)
+            plan, draft_probs = self.draft.propose(plan)
         if plan.decode:
             from_device = any(p.req.pending_tokens for p in plan.parts)
             batch = build_decode_batch(plan.parts, self.device, self.last_tokens if from_device else None)
+        elif any(p.drafts for p in plan.parts) and keeps_every_row(plan.parts):
+            batch = build_verify_batch(plan.parts, self.device)
         else:
             batch = build_extend_batch(plan.parts, self.device)
+        if self.draft is not None and not speculating:
+            self.draft.follow(batch)  # the draft's KV for the same tokens
         logits = self.runner.forward(batch)
         prompt_logprobs: dict[int, tuple[list, list]] = {}
         if plan.decode:  # one row per part, every part samples
@@ -64,7 +83,8 @@ class DeviceEngine:
             if part.input_logprobs:
                 prompt_logprobs[index] = input_logprobs(part.req, kept, part.first_logit_pos)
             if part.drafts:
-                spec_tokens[len(rows) + len(spec_tokens)] = verify_drafts(part.req, kept, part.drafts)
+                spec_tokens[len(rows) + len(spec_tokens)] = verify_drafts(part.req, kept, part.drafts,
+                                                                          draft_probs.get(index))
             elif part.samples:
                 rows.append(kept[-1])
                 reqs.append(part.req)

@@ -4,10 +4,10 @@ A verify step computes logits for the request's newest token and each draft afte
 predicts the token after draft i). Greedy requests keep the drafts that equal the argmax and
 add the argmax after the last kept one, so the output is exactly the non-speculative greedy
 output. Sampling requests use rejection sampling, which leaves the output distribution
-unchanged: an n-gram draft is a point mass q, so draft d is accepted with probability
-min(1, p(d) / q(d)) = p(d); at the first rejection the token is drawn from the residual
-(p - q)+, which is p without d, renormalised; if every draft is accepted, one more token is
-drawn from the last row.
+unchanged: draft d, drawn from the drafter's distribution q, is accepted with probability
+min(1, p(d) / q(d)); at the first rejection the token is drawn from the residual (p - q)+,
+renormalised; if every draft is accepted, one more token is drawn from the last row. An n-gram
+draft is a point mass (q(d) = 1): accepted with probability p(d), the residual is p without d.
 """
 
 from __future__ import annotations
@@ -18,9 +18,11 @@ from radixlm.srt.executor.sampler import filter_probs, make_generator
 from radixlm.srt.scheduler.request import Req
 
 
-def verify_drafts(req: Req, logits: torch.Tensor, drafts: list[int]) -> list[int]:
+def verify_drafts(req: Req, logits: torch.Tensor, drafts: list[int], draft_probs: torch.Tensor | None = None) -> list[int]:
     """The tokens a verify step produces: the accepted drafts, then one token of the model's.
-    `logits`: [1 + len(drafts), vocab], raw (speculating requests have no penalties)."""
+    `logits`: [1 + len(drafts), vocab], raw (speculating requests have no penalties).
+    `draft_probs`: [len(drafts), vocab], the distributions the drafts were drawn from (a draft
+    model's, at the request's sampling parameters); None: each draft is a point mass (n-gram)."""
     sp = req.sampling_params
     if sp.is_greedy:
         target = logits.argmax(dim=-1).tolist()
@@ -31,22 +33,28 @@ def verify_drafts(req: Req, logits: torch.Tensor, drafts: list[int]) -> list[int
     probs = torch.softmax(logits.float() / sp.temperature, dim=-1)
     if sp.top_k > 0 or sp.top_p < 1.0 or sp.min_p > 0.0:
         probs = filter_probs(probs, [sp] * probs.shape[0])
+        probs = probs / probs.sum(dim=-1, keepdim=True)  # p(d) is the filtered distribution's
     if req.generator is None and sp.seed is not None:
         req.generator = make_generator(sp.seed, logits.device)
     gen = req.generator
     # One uniform per draft, drawn up front: a single host read for the whole step.
     uniforms = torch.rand(len(drafts), generator=gen, device=probs.device).tolist()
-    draft_probs = probs[torch.arange(len(drafts), device=probs.device),
-                        torch.tensor(drafts, device=probs.device)].tolist()
+    rows = torch.arange(len(drafts), device=probs.device)
+    ids = torch.tensor(drafts, device=probs.device)
+    p_draft = probs[rows, ids].tolist()
+    q_draft = [1.0] * len(drafts) if draft_probs is None else draft_probs[rows, ids].tolist()
     out = []
-    for i, (draft, u, p) in enumerate(zip(drafts, uniforms, draft_probs)):
-        if u < p:
+    for i, (draft, u, p, q) in enumerate(zip(drafts, uniforms, p_draft, q_draft)):
+        if u * q < p:  # u < p / q
             out.append(draft)
             continue
-        residual = probs[i].clone()
-        residual[draft] = 0.0
+        if draft_probs is None:
+            residual = probs[i].clone()
+            residual[draft] = 0.0
+        else:
+            residual = (probs[i] - draft_probs[i]).clamp_(min=0.0)
         total = residual.sum()
-        if total <= 0:  # p(draft) was 1 up to rounding: nothing else to draw
+        if total <= 0:  # p and q agree up to rounding: the draft stands
             return out + [draft]
         return out + [int(torch.multinomial(residual / total, 1, generator=gen))]
     return out + [int(torch.multinomial(probs[len(drafts)], 1, generator=gen))]

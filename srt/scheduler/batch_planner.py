@@ -38,8 +38,8 @@ class BatchPlanner:
         self.sched = sched
         self.args = args
         self.new_token_ratio = INIT_NEW_TOKEN_RATIO
-        # Speculative decoding (n-gram drafts): how many draft tokens a decode step verifies.
-        self.num_drafts = args.speculative_num_draft_tokens if args.speculative_algorithm else 0
+        # Speculative decoding: how many draft tokens a decode step verifies.
+        self.num_drafts = args.speculative_drafts_per_step
 
     def next_plan(self) -> StepPlan | None:
         parts = self._plan_extend()
@@ -185,21 +185,26 @@ class BatchPlanner:
                         needs_host_tokens=any(_needs_host_tokens(r) for r in reqs) or bool(self.num_drafts))
 
     def _with_drafts(self, part: ExtendPlan) -> ExtendPlan:
-        """The part with n-gram drafts after its token, when the request can speculate and
-        free KV holds them. Drafting reads the newest token, so speculation runs in lockstep."""
+        """The part with drafts after its token (n-gram drafts, or room for the draft model's),
+        when the request can speculate and free KV holds them. Drafting reads the newest token,
+        so speculation runs in lockstep."""
         req = part.req
         sp = req.sampling_params
         if part.extend_len != 1 or not _can_speculate(req):
             return part
         room = min(self.num_drafts, sp.max_new_tokens - len(req.output_ids) - 1,
                    self.sched.context_len - req.seq_len - 1)
-        drafts = propose_ngram(req.fill_ids, room, self.args.speculative_ngram_max_match_window_size,
-                               self.args.speculative_ngram_min_match_window_size) if room > 0 else []
-        slots = self.sched.kv.alloc_more(req, len(drafts)) if drafts else None
+        if room <= 0:
+            return part
+        by_model = self.args.speculative_algorithm == "draft"
+        drafts = [] if by_model else propose_ngram(req.fill_ids, room, self.args.speculative_ngram_max_match_window_size,
+                                                   self.args.speculative_ngram_min_match_window_size)
+        slots = self.sched.kv.alloc_more(req, room if by_model else len(drafts)) if by_model or drafts else None
         if not slots:
             return part
-        n = 1 + len(drafts)
-        return ExtendPlan(req, part.start, n, part.slots + slots, part.start, n, drafts=drafts)
+        n = 1 + len(slots)
+        return ExtendPlan(req, part.start, n, part.slots + slots, part.start, n, drafts=drafts,
+                          model_drafts=len(slots) if by_model else 0)
 
     def _ends_with_pending_token(self, req: Req) -> bool:
         if not req.pending_tokens:

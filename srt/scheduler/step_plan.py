@@ -35,6 +35,9 @@ class ExtendPlan:
     # Speculative decoding: draft tokens fed after the request's newest token (their KV goes to
     # the last len(drafts) slots); every row is kept, and the engine verifies the drafts.
     drafts: list[int] = field(default_factory=list)
+    # Draft-model speculation: how many drafts the engine's draft model proposes (the slots are
+    # allocated, the tokens are not known yet); the engine fills `drafts` before verifying.
+    model_drafts: int = 0
 
 
 @dataclass

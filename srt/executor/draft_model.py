@@ -1,0 +1,154 @@
+"""Draft-model speculation (--speculative-algorithm draft, SGLang's STANDALONE): a smaller model
+with the target's tokenizer drafts each speculating request's next tokens, one forward per
+draft; the target verifies them in one forward (executor/speculative.py).
+
+The draft's KV lives in a second pool indexed by the target's slots (the same req-to-token
+table), so whatever the policy does to a slot holds for both models at once: a radix-cache hit
+reuses both KVs, accepted tokens keep both, rejected drafts' slots are freed for both, and
+eviction and aborts need nothing of their own. Invariant: every slot with the target's KV holds
+the draft's KV of the same token. So the draft runs on every forward the target runs: the same
+batch for prefill chunks and plain steps; in a verify step it feeds each speculating request's
+newest token and its drafts (one forward each, the last draft too, though its logits go
+unused), and any other part of the step in one extend forward.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import torch
+
+from radixlm.srt.executor.batch_builder import build_extend_batch, build_token_batch
+from radixlm.srt.executor.forward_batch import ForwardBatch
+from radixlm.srt.executor.mem_pool import KVPool
+from radixlm.srt.executor.model_runner import ModelRunner, kv_slots_for, model_bytes
+from radixlm.srt.executor.sampler import filter_probs, make_generator
+from radixlm.srt.scheduler.request import Req
+from radixlm.srt.scheduler.step_plan import ExtendPlan, StepPlan
+from radixlm.srt.server_args import ServerArgs
+
+logger = logging.getLogger(__name__)
+
+
+def load_draft_model(args: ServerArgs, target=None, with_weights: bool = True):
+    """The draft model, checked against the target's vocabulary when `target` is given."""
+    from radixlm.srt.executor.model_loader import load_model
+
+    draft = load_model(args.speculative_draft_model_path, dtype=args.resolved_dtype(),
+                       load_format="dummy" if args.load_format == "dummy" else "auto",
+                       device=args.resolved_device(), with_weights=with_weights)
+    if target is not None:
+        check_same_vocabulary(target, draft)
+    return draft
+
+
+def check_same_vocabulary(target, draft) -> None:
+    """Drafts are token ids the target scores: both models must read them the same way."""
+    t_name, d_name = target.model_path, draft.model_path
+    if target.config.vocab_size != draft.config.vocab_size:
+        raise ValueError(f"speculative_draft_model_path: the draft model {d_name} has a vocabulary of "
+                         f"{draft.config.vocab_size} tokens and the target {t_name} one of "
+                         f"{target.config.vocab_size}; they must share a tokenizer")
+    if target.tokenizer is not None and draft.tokenizer is not None:
+        if target.tokenizer.get_vocab() != draft.tokenizer.get_vocab():
+            raise ValueError(f"speculative_draft_model_path: the draft model {d_name} and the target {t_name} "
+                             "have different tokenizers (the same vocabulary size, other tokens); they must "
+                             "share one")
+
+
+def kv_slots_with_draft(config, args: ServerArgs) -> int:
+    """KV slots when every slot holds both models' K/V: the target-only budget in bytes, less the
+    draft's weights (counted twice: the loaded copy and the runner's), over both models' bytes
+    per token. As the target-only figure where it is fixed (--max-total-tokens, CPU)."""
+    target_only = kv_slots_for(config, args)
+    if args.max_total_tokens is not None or args.resolved_device() == "cpu":
+        return target_only
+    draft = load_draft_model(args, with_weights=False).config
+    dtype = args.resolved_dtype()
+    per_token = [KVPool.bytes_per_token(c.num_layers, c.num_kv_heads, c.head_dim, dtype) for c in (config, draft)]
+    budget = target_only * per_token[0] - 2 * model_bytes(draft, dtype)
+    slots = int(budget // sum(per_token))
+    if slots < 4096:
+        raise ValueError(f"mem_fraction_static: {args.mem_fraction_static} leaves no room for the KV cache of "
+                         "the target and draft models")
+    return slots
+
+
+class DraftModel:
+    def __init__(self, target, args: ServerArgs, req_to_token: torch.Tensor, num_kv_slots: int):
+        draft = load_draft_model(args, target)
+        self.runner = ModelRunner(draft, args, req_to_token, num_kv_slots)
+        self.device = self.runner.device
+        logger.info("draft model %s: %d layers, hidden %d", draft.model_path, draft.config.num_layers,
+                    draft.config.hidden_size)
+
+    @torch.inference_mode()
+    def follow(self, batch: ForwardBatch) -> None:
+        """Writes the draft's KV for a batch the target runs (one without drafts)."""
+        self.runner.forward(batch)
+
+    @torch.inference_mode()
+    def propose(self, plan: StepPlan) -> tuple[StepPlan, dict[int, torch.Tensor]]:
+        """`plan` with each `model_drafts` part's drafts filled in, the draft's KV written for every
+        token of the plan; and, by part index, the distributions q the drafts of sampling
+        requests were drawn from ([drafts, vocab]; greedy requests have none)."""
+        spec = [p for p in plan.parts if p.model_drafts]
+        plain = [dataclasses.replace(p, logit_count=0) for p in plan.parts if not p.model_drafts]
+        if plain:
+            self.follow(build_extend_batch(plain, self.device))
+        reqs = [p.req for p in spec]
+        most = max(p.model_drafts for p in spec)
+        draft_ids = torch.zeros((len(spec), most), dtype=torch.int64, device=self.device)
+        newest = torch.tensor([p.req.fill_ids[p.start] for p in spec], dtype=torch.int64).to(self.device)
+        q_rows: list[list[torch.Tensor]] = [[] for _ in spec]
+        # Forward i feeds token i of each part (its newest token, then its drafts) at start + i;
+        # a part's last forward feeds its last draft, for the KV only.
+        for i in range(most + 1):
+            active = [j for j, p in enumerate(spec) if i <= p.model_drafts]
+            index = torch.tensor(active, device=self.device)
+            fed = newest[index] if i == 0 else draft_ids[index, i - 1]
+            logits = self.runner.forward(build_token_batch([spec[j] for j in active], i, fed, self.device))
+            drawing = [row for row, j in enumerate(active) if i < spec[j].model_drafts]
+            if not drawing:
+                break
+            tokens, probs = draw_drafts(logits[drawing], [reqs[active[row]] for row in drawing])
+            rows = [active[row] for row in drawing]
+            draft_ids[torch.tensor(rows, device=self.device), i] = tokens
+            for r, j in enumerate(rows):
+                if probs is not None and not reqs[j].sampling_params.is_greedy:
+                    q_rows[j].append(probs[r])
+        ids = draft_ids.tolist()  # the step's one wait for the device before the target verifies
+        parts, q_by_index, j = [], {}, 0
+        for index, part in enumerate(plan.parts):
+            if part.model_drafts:
+                parts.append(dataclasses.replace(part, drafts=ids[j][:part.model_drafts]))
+                if q_rows[j]:
+                    q_by_index[index] = torch.stack(q_rows[j])
+                j += 1
+            else:
+                parts.append(part)
+        return dataclasses.replace(plan, parts=parts), q_by_index
+
+
+def draw_drafts(logits: torch.Tensor, reqs: list[Req]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Each row's draft: the argmax for greedy requests, else a draw from the draft's
+    distribution q at the request's temperature, top-k/top-p/min-p (normalised; returned too,
+    for the rejection test). Seeded requests draw with their own generator."""
+    params = [r.sampling_params for r in reqs]
+    if all(p.is_greedy for p in params):
+        return logits.argmax(dim=-1), None
+    temps = torch.tensor([1.0 if p.is_greedy else p.temperature for p in params], device=logits.device)
+    probs = torch.softmax(logits.float() / temps[:, None], dim=-1)
+    if any(p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0 for p in params):
+        probs = filter_probs(probs, params)
+    probs = probs / probs.sum(dim=-1, keepdim=True)
+    tokens = logits.argmax(dim=-1)
+    for row, req in enumerate(reqs):
+        if params[row].is_greedy:
+            continue
+        if req.generator is None and params[row].seed is not None:
+            req.generator = make_generator(params[row].seed, logits.device)
+        tokens[row] = torch.multinomial(probs[row], 1, generator=req.generator)[0]
+    return tokens, probs
+
