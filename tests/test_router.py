@@ -117,6 +117,15 @@ def test_metrics_merge_labels_every_sample_once_per_family():
     assert merged.count("# TYPE radixlm_kv_usage") == 1
 
 
+def test_router_cli_every_flag_has_a_help_with_its_default():
+    from radixlm.srt.router.cli import build_parser
+
+    parser = build_parser()
+    assert all(a.help for a in parser._actions)
+    text = parser.format_help()
+    assert "--worker-urls" in text and "(default: cache_aware)" in text and "(default: 32)" in text
+
+
 def test_router_caps_request_bodies_chunked_ones_too():
     import asyncio
 
