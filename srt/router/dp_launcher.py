@@ -100,6 +100,8 @@ class Replica:
         for raw in self.proc.stdout:
             line = raw.decode(errors="replace").rstrip("\n")
             self.tail.append(line)
+            if '"GET /health HTTP/1.1" 200' in line:  # the router's probes, every few seconds
+                continue
             print(f"[replica {self.index}] {line}", file=sys.stderr, flush=True)
 
     def exit_note(self) -> str:
