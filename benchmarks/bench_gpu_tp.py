@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import random
 import shlex
 import sys
@@ -82,7 +83,7 @@ def close(engine) -> None:
     torch.cuda.empty_cache()
 
 
-def bench_8b(rep: Reporter, tokenizer: str, num_requests: int) -> None:
+def bench_8b(rep: Reporter, tokenizer: str, num_requests: int, offline: bool = True) -> None:
     prompts, out_lens = offline_workload(num=num_requests)
     out_tokens = sum(out_lens)
     results = {}
@@ -90,14 +91,17 @@ def bench_8b(rep: Reporter, tokenizer: str, num_requests: int) -> None:
         started = time.perf_counter()
         engine = make_engine(str(CONFIG), tokenizer, tp)
         ready = time.perf_counter() - started
-        results[tp] = {"decode_ms": decode_ms(engine), "offline_s": offline_seconds(engine, prompts, out_lens),
-                       "ready_s": ready}
+        results[tp] = {"decode_ms": decode_ms(engine), "ready_s": ready,
+                       "offline_s": offline_seconds(engine, prompts, out_lens) if offline else None}
         close(engine)
     one, two = results[1], results[2]
     rep.emit({"bench": "gpu_tp_decode_bs1", "model": "llama-3.1-8b shape", "tp": 2,
               "ms_per_token": round(two["decode_ms"], 3), "baseline": "tp=1 in this run",
               "baseline_ms_per_token": round(one["decode_ms"], 3),
-              "ratio_tp2_over_tp1": round(two["decode_ms"] / one["decode_ms"], 3), "goal": "<= 0.6"})
+              "ratio_tp2_over_tp1": round(two["decode_ms"] / one["decode_ms"], 3), "goal": "<= 0.6",
+              "all_reduce": os.environ.get("RADIXLM_TP_ALLREDUCE", "nccl")})
+    if not offline:
+        return
     rep.emit({"bench": "gpu_tp_offline", "model": "llama-3.1-8b shape", "tp": 2, "requests": num_requests,
               "seconds": round(two["offline_s"], 2), "output_tok_s": round(out_tokens / two["offline_s"], 1),
               "baseline": "tp=1 in this run", "baseline_seconds": round(one["offline_s"], 2),
@@ -123,6 +127,7 @@ def bench_70b(rep: Reporter, tokenizer: str, num_requests: int, workdir: Path) -
               "weight_gb": round(weight_bytes / 1e9, 2), "bandwidth_tb_s": {k: round(v, 3) for k, v in bw.items()},
               "roofline_ms": round(roofline_ms, 3), "fraction_of_roofline": round(roofline_ms / ms, 3),
               "goal": ">= 0.88", "engine_ready_s": round(ready, 1), "vllm_recorded": VLLM_70B_TP2,
+              "all_reduce": os.environ.get("RADIXLM_TP_ALLREDUCE", "nccl"),
               "ratio_vs_vllm_recorded": round(VLLM_70B_TP2["decode_ms_per_token"] / ms, 3)})
     prompts, out_lens = offline_workload(num=num_requests)
     seconds = offline_seconds(engine, prompts, out_lens)
@@ -146,8 +151,8 @@ def main() -> None:
     tokenizer = args.tokenizer_path or next(str(p) for p in TOKENIZERS if p.exists())
     if torch.cuda.device_count() < 2:
         raise SystemExit("bench_gpu_tp needs two GPUs")
-    if "8b" in suites:
-        bench_8b(rep, tokenizer, args.num_requests or 1000)
+    if "8b" in suites or "8b_decode" in suites:
+        bench_8b(rep, tokenizer, args.num_requests or 1000, offline="8b" in suites)
     if "70b" in suites:
         with tempfile.TemporaryDirectory() as workdir:
             bench_70b(rep, tokenizer, args.num_requests or 400, Path(workdir))

@@ -96,9 +96,12 @@ class Engine:
 
     def shutdown(self) -> None:
         if self._ranks is not None:
+            from radixlm.srt.executor import parallel
+
             self.scheduler.engine.runner.step_sender.stop()
             self._ranks.stop()
             self._ranks = None
+            parallel.shutdown()
         self.scheduler = None  # frees the model and KV pool
         gc.collect()  # CUDA graphs and backends hold reference cycles; free their memory now
         if torch.cuda.is_available():

@@ -41,8 +41,12 @@ class TensorParallel:
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sums `x` over the ranks in place (row-parallel outputs). Capturable in CUDA graphs."""
-        if self.size > 1:
-            dist.all_reduce(x, group=self.group)
+        if self.size == 1:
+            return x
+        fast = _ONE_SHOT.get(x.device)
+        if fast is not None and x.numel() <= fast.numel() and x.dtype == fast.dtype and x.is_contiguous():
+            return fast_all_reduce(x, fast, self.group)
+        dist.all_reduce(x, group=self.group)
         return x
 
     def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
@@ -77,11 +81,71 @@ class TensorParallel:
 
 
 _CURRENT = TensorParallel()
+# RADIXLM_TP_ALLREDUCE=one_shot: small all-reduces through PyTorch's symmetric memory (each rank
+# reads the others' buffers over NVLink; no multicast), per device its registered buffer.
+_ONE_SHOT: dict[torch.device, torch.Tensor] = {}
+ONE_SHOT_MAX_BYTES = 1 << 20
+
+
+def enable_one_shot_all_reduce(device: torch.device, dtype: torch.dtype) -> bool:
+    """Registers a symmetric-memory buffer for small all-reduces; False where it cannot be used."""
+    try:
+        import torch.distributed._symmetric_memory as symm_mem
+
+        buf = symm_mem.empty(ONE_SHOT_MAX_BYTES // dtype.itemsize, dtype=dtype, device=device)
+        symm_mem.rendezvous(buf, dist.group.WORLD.group_name)
+    except Exception as e:  # noqa: BLE001 - an optional fast path
+        logger.warning("one-shot all-reduce unavailable (%s: %s); using NCCL", type(e).__name__, e)
+        return False
+    _ONE_SHOT[device] = buf
+    return True
+
+
+def fast_all_reduce(x: torch.Tensor, buf: torch.Tensor, group: Any) -> torch.Tensor:
+    flat = x.view(-1)
+    staged = buf[:flat.numel()]
+    staged.copy_(flat)
+    torch.ops.symm_mem.one_shot_all_reduce_out(staged, "sum", group.group_name, flat)
+    return x
 
 
 def current() -> TensorParallel:
     """This process's tensor-parallel group (one rank of one when none was set up)."""
     return _CURRENT
+
+
+def shutdown() -> None:
+    """Leaves the process group (an Engine shutting down; a new one may form another)."""
+    global _CURRENT
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    _CURRENT = TensorParallel()
+# RADIXLM_TP_ALLREDUCE=one_shot: small all-reduces through PyTorch's symmetric memory (each rank
+# reads the others' buffers over NVLink; no multicast), per device its registered buffer.
+_ONE_SHOT: dict[torch.device, torch.Tensor] = {}
+ONE_SHOT_MAX_BYTES = 1 << 20
+
+
+def enable_one_shot_all_reduce(device: torch.device, dtype: torch.dtype) -> bool:
+    """Registers a symmetric-memory buffer for small all-reduces; False where it cannot be used."""
+    try:
+        import torch.distributed._symmetric_memory as symm_mem
+
+        buf = symm_mem.empty(ONE_SHOT_MAX_BYTES // dtype.itemsize, dtype=dtype, device=device)
+        symm_mem.rendezvous(buf, dist.group.WORLD.group_name)
+    except Exception as e:  # noqa: BLE001 - an optional fast path
+        logger.warning("one-shot all-reduce unavailable (%s: %s); using NCCL", type(e).__name__, e)
+        return False
+    _ONE_SHOT[device] = buf
+    return True
+
+
+def fast_all_reduce(x: torch.Tensor, buf: torch.Tensor, group: Any) -> torch.Tensor:
+    flat = x.view(-1)
+    staged = buf[:flat.numel()]
+    staged.copy_(flat)
+    torch.ops.symm_mem.one_shot_all_reduce_out(staged, "sum", group.group_name, flat)
+    return x
 
 
 def rank_device(args: Any, local_rank: int) -> str:
@@ -132,6 +196,8 @@ def init_tensor_parallel(args: Any, rank: int, local_rank: int, init_addr: str) 
     cpu_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout)) \
         if backend == "nccl" else dist.group.WORLD
     _CURRENT = TensorParallel(rank, size, dist.group.WORLD, cpu_group, timeout)
+    if backend == "nccl" and os.environ.get("RADIXLM_TP_ALLREDUCE") == "one_shot":
+        enable_one_shot_all_reduce(torch.device(device), args.resolved_dtype())
     logger.info("tensor parallel rank %d of %d on %s (%s)", rank, size, device, backend)
     return _CURRENT
 

@@ -9,11 +9,13 @@ policy did in between (radix-cache hits, retractions, speculation's truncations)
 plans and CUDA-graph choices are computed from the batch and the table, so every rank makes
 the same ones.
 
-A message is int64 tensors on the device group (NCCL or gloo): its length, then the message
-with the token ids appended on the device (under overlap scheduling they may not have reached
-the host yet). While idle, rank 0 sends a heartbeat each poll, so a follower waits at most
-`dist_timeout` for a rank 0 that died: a thread sends one whenever no message went out for
-a second (a server waiting for requests, or an Engine between calls).
+The message travels on the host (the gloo group): a follower reads it while its GPU still
+runs the previous step, plans the attention and launches the forward, as rank 0 does; over the
+device group it would wait behind that step. Only the token ids go over the device group
+(NCCL on GPUs), enqueued before the forward: under overlap scheduling they may not have
+reached rank 0's host yet. While idle, rank 0 sends a heartbeat, so a follower waits at most
+`dist_timeout` for a rank 0 that died: a thread sends one whenever no message went out for a
+second (a server waiting for requests, or an Engine between calls).
 """
 
 from __future__ import annotations
@@ -62,19 +64,19 @@ class StepSender:
             if self._stopped:
                 raise RuntimeError("tensor parallel: the other ranks were told to stop")
             self._send_locked(self._message(batch))
+            dist.broadcast(batch.input_ids, src=0, group=self.tp.group)
             yield
 
-    def _message(self, batch: ForwardBatch) -> torch.Tensor:
+    def _message(self, batch: ForwardBatch) -> np.ndarray:
         deltas = self._table_deltas(batch.req_pool_indices_cpu, batch.seq_lens_cpu)
         mode = 0 if batch.mode is ForwardMode.EXTEND else 1
         positions, out_cache_loc, logit_rows = (np.asarray(list(c), np.int64) for c in batch.host_columns)
-        host = np.concatenate([
-            np.array([Kind.FORWARD, mode, batch.input_ids.shape[0], batch.batch_size, batch.logit_rows.shape[0],
-                      deltas.shape[0] // 3], dtype=np.int64),
+        return np.concatenate([
+            np.array([Kind.FORWARD, mode, len(positions), batch.batch_size, len(logit_rows), deltas.shape[0] // 3],
+                     dtype=np.int64),
             positions, out_cache_loc, np.asarray(batch.req_pool_indices_cpu, np.int64),
             np.asarray(batch.seq_lens_cpu, np.int64), np.asarray(batch.prefix_lens_cpu, np.int64),
             np.asarray(batch.extend_lens_cpu, np.int64), logit_rows, deltas])
-        return torch.cat([torch.from_numpy(host).to(self.device, non_blocking=True), batch.input_ids])
 
     def stop(self) -> None:
         """Tells the followers to exit (once)."""
@@ -84,8 +86,6 @@ class StepSender:
                 self._stopped = True
 
     def _heartbeats(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.set_device(self.device)  # the current device is per thread
         while not self._stopped:
             time.sleep(HEARTBEAT_S / 4)
             if time.monotonic() - self._last_sent < HEARTBEAT_S:
@@ -94,13 +94,13 @@ class StepSender:
                 if not self._stopped and time.monotonic() - self._last_sent >= HEARTBEAT_S:
                     self._send_locked(self._signal(Kind.HEARTBEAT))
 
-    def _signal(self, kind: Kind) -> torch.Tensor:
-        return torch.tensor([kind, 0, 0, 0, 0, 0], dtype=torch.int64, device=self.device)
+    @staticmethod
+    def _signal(kind: Kind) -> np.ndarray:
+        return np.array([kind, 0, 0, 0, 0, 0], dtype=np.int64)
 
-    def _send_locked(self, message: torch.Tensor) -> None:
-        length = torch.tensor([message.shape[0]], dtype=torch.int64, device=self.device)
-        dist.broadcast(length, src=0, group=self.tp.group)
-        dist.broadcast(message, src=0, group=self.tp.group)
+    def _send_locked(self, message: np.ndarray) -> None:
+        dist.broadcast(torch.tensor([message.shape[0]], dtype=torch.int64), src=0, group=self.tp.cpu_group)
+        dist.broadcast(torch.from_numpy(message), src=0, group=self.tp.cpu_group)
         self._last_sent = time.monotonic()
 
     def _table_deltas(self, rows: list[int], seq_lens: list[int]) -> np.ndarray:
@@ -129,11 +129,11 @@ class StepReceiver:
         self.device = device
 
     def receive(self) -> tuple[Kind, ForwardBatch | None]:
-        length = torch.zeros(1, dtype=torch.int64, device=self.device)
-        dist.broadcast(length, src=0, group=self.tp.group)
-        message = torch.empty(int(length.item()), dtype=torch.int64, device=self.device)
-        dist.broadcast(message, src=0, group=self.tp.group)
-        host = message.cpu().numpy()
+        length = torch.zeros(1, dtype=torch.int64)
+        dist.broadcast(length, src=0, group=self.tp.cpu_group)
+        host = torch.empty(int(length.item()), dtype=torch.int64)
+        dist.broadcast(host, src=0, group=self.tp.cpu_group)
+        host = host.numpy()
         kind = Kind(int(host[0]))
         if kind is not Kind.FORWARD:
             return kind, None
@@ -144,11 +144,13 @@ class StepReceiver:
         if entries:
             triples = deltas.reshape(-1, 3)
             self.table[triples[:, 0], triples[:, 1]] = triples[:, 2]
-        device_cols = message[_HEADER:_HEADER + sum(sizes)].split(sizes)
+        input_ids = torch.empty(tokens, dtype=torch.int64, device=self.device)
+        dist.broadcast(input_ids, src=0, group=self.tp.group)
+        on_device = torch.from_numpy(np.concatenate([positions, out_loc, rows, seq_lens, logit_rows])).to(
+            self.device, non_blocking=True).split([tokens, tokens, reqs, reqs, logits])
         batch = ForwardBatch(
-            mode=ForwardMode.EXTEND if mode == 0 else ForwardMode.DECODE,
-            input_ids=message[_HEADER + sum(sizes):], positions=device_cols[0], out_cache_loc=device_cols[1],
-            req_pool_indices=device_cols[2], req_pool_indices_cpu=rows.tolist(), seq_lens=device_cols[3],
-            seq_lens_cpu=seq_lens.tolist(), prefix_lens_cpu=prefix_lens.tolist(),
-            extend_lens_cpu=extend_lens.tolist(), logit_rows=device_cols[6])
+            mode=ForwardMode.EXTEND if mode == 0 else ForwardMode.DECODE, input_ids=input_ids,
+            positions=on_device[0], out_cache_loc=on_device[1], req_pool_indices=on_device[2],
+            req_pool_indices_cpu=rows.tolist(), seq_lens=on_device[3], seq_lens_cpu=seq_lens.tolist(),
+            prefix_lens_cpu=prefix_lens.tolist(), extend_lens_cpu=extend_lens.tolist(), logit_rows=on_device[4])
         return kind, batch
