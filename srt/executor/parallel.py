@@ -120,32 +120,7 @@ def shutdown() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
     _CURRENT = TensorParallel()
-# RADIXLM_TP_ALLREDUCE=one_shot: small all-reduces through PyTorch's symmetric memory (each rank
-# reads the others' buffers over NVLink; no multicast), per device its registered buffer.
-_ONE_SHOT: dict[torch.device, torch.Tensor] = {}
-ONE_SHOT_MAX_BYTES = 1 << 20
-
-
-def enable_one_shot_all_reduce(device: torch.device, dtype: torch.dtype) -> bool:
-    """Registers a symmetric-memory buffer for small all-reduces; False where it cannot be used."""
-    try:
-        import torch.distributed._symmetric_memory as symm_mem
-
-        buf = symm_mem.empty(ONE_SHOT_MAX_BYTES // dtype.itemsize, dtype=dtype, device=device)
-        symm_mem.rendezvous(buf, dist.group.WORLD.group_name)
-    except Exception as e:  # noqa: BLE001 - an optional fast path
-        logger.warning("one-shot all-reduce unavailable (%s: %s); using NCCL", type(e).__name__, e)
-        return False
-    _ONE_SHOT[device] = buf
-    return True
-
-
-def fast_all_reduce(x: torch.Tensor, buf: torch.Tensor, group: Any) -> torch.Tensor:
-    flat = x.view(-1)
-    staged = buf[:flat.numel()]
-    staged.copy_(flat)
-    torch.ops.symm_mem.one_shot_all_reduce_out(staged, "sum", group.group_name, flat)
-    return x
+    _ONE_SHOT.clear()
 
 
 def rank_device(args: Any, local_rank: int) -> str:
