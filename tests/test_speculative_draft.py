@@ -209,3 +209,32 @@ def test_sampling_through_the_draft_model_keeps_the_distribution(engine, weak_dr
     critical = {1: 10.8, 2: 13.8, 3: 16.3, 4: 18.5, 5: 20.5, 6: 22.5, 7: 24.3, 8: 26.1, 9: 27.9, 10: 29.6}
     assert chi2 < critical.get(dof, 30 + 2 * dof), (chi2, dof, table.tolist())
     assert_no_leak(weak_draft_engine)
+
+
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "city": {"type": "string"},
+                                           "total": {"type": "integer"}}, "required": ["name", "city", "total"]}
+CONSTRAINED = [
+    (f"<|im_start|>user\n{DOC}\nGive name, city and total as JSON.<|im_end|>\n<|im_start|>assistant\n",
+     {"temperature": 0, "max_new_tokens": 32, "json_schema": json.dumps(SCHEMA)}),
+    (f"<|im_start|>user\n{DOC}\nWho is the customer?<|im_end|>\n<|im_start|>assistant\n",
+     {"temperature": 0, "max_new_tokens": 16, "regex": r"(Maria|Lopez|Lisbon)( [a-z]+){1,8}\."}),
+]
+
+
+@pytest.mark.parametrize("which", ["self", "weak"])
+def test_constrained_requests_speculate_with_identical_output(which, engine, request, monkeypatch):
+    """Drafts pass through the grammar (drafted under its masks, cut where it ends), each verify
+    row is masked by the state after the drafts before it, jump-forward ends a verify step's
+    tokens where plain decoding would have jumped: the text is plain constrained greedy's. The
+    weak draft's verify steps run as one extend forward (the other form of a verify step)."""
+    import radixlm.srt.executor.device_engine as device_engine
+
+    eng = request.getfixturevalue(f"{which}_draft_engine")
+    if which == "weak":
+        monkeypatch.setattr(device_engine, "VERIFY_AS_DECODE_MAX_ROWS", 0)
+    prompts, params = [p for p, _ in CONSTRAINED], [s for _, s in CONSTRAINED]
+    fast = eng.generate(prompts, params)
+    assert [o["text"] for o in fast] == [o["text"] for o in engine.generate(prompts, params)]
+    assert json.loads(fast[0]["text"])["city"] == "Lisbon"
+    assert all(o["meta_info"].get("spec_verify_ct", 0) > 0 for o in fast)
+    assert_no_leak(eng)

@@ -77,3 +77,14 @@ class ConstrainedDecoding:
             if jumped is not None:
                 req.output_ids[-1:] = jumped
         return None
+
+
+def valid_draft_len(matcher: Any, drafts: Sequence[int]) -> int:
+    """How many leading drafts the grammar admits from the matcher's state (through one that
+    completes it, none after); the matcher is left as it was. Speculation drafts no further."""
+    accepted = 0
+    while accepted < len(drafts) and not matcher.is_terminated() and matcher.accept_token(drafts[accepted]):
+        accepted += 1
+    if accepted:
+        matcher.rollback(accepted)
+    return accepted

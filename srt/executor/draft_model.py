@@ -16,9 +16,12 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from typing import Callable
 
 import torch
 
+from radixlm.srt.constrained.backend import GrammarBackend
+from radixlm.srt.constrained.decoding import valid_draft_len
 from radixlm.srt.executor.batch_builder import build_extend_batch, build_token_batch
 from radixlm.srt.executor.forward_batch import ForwardBatch
 from radixlm.srt.executor.mem_pool import KVPool
@@ -89,10 +92,13 @@ class DraftModel:
         self.runner.forward(batch)
 
     @torch.inference_mode()
-    def propose(self, plan: StepPlan) -> tuple[StepPlan, dict[int, torch.Tensor]]:
+    def propose(self, plan: StepPlan, grammar_backend: Callable[[], GrammarBackend]
+                ) -> tuple[StepPlan, dict[int, torch.Tensor]]:
         """`plan` with each `model_drafts` part's drafts filled in, the draft's KV written for every
         token of the plan; and, by part index, the distributions q the drafts of sampling
-        requests were drawn from ([drafts, vocab]; greedy requests have none)."""
+        requests were drawn from ([drafts, vocab]; greedy requests have none). A constrained
+        request drafts under its grammar's masks, and its drafts end where the grammar does
+        (its part then verifies fewer, perhaps none)."""
         spec = [p for p in plan.parts if p.model_drafts]
         plain = [dataclasses.replace(p, logit_count=0) for p in plan.parts if not p.model_drafts]
         if plain:
@@ -102,6 +108,7 @@ class DraftModel:
         draft_ids = torch.zeros((len(spec), most), dtype=torch.int64, device=self.device)
         newest = torch.tensor([p.req.fill_ids[p.start] for p in spec], dtype=torch.int64).to(self.device)
         q_rows: list[list[torch.Tensor]] = [[] for _ in spec]
+        grammars = _DraftGrammars(reqs, grammar_backend)
         # Forward i feeds token i of each part (its newest token, then its drafts) at start + i;
         # a part's last forward feeds its last draft, for the KV only.
         for i in range(most + 1):
@@ -112,23 +119,67 @@ class DraftModel:
             drawing = [row for row, j in enumerate(active) if i < spec[j].model_drafts]
             if not drawing:
                 break
-            tokens, probs = draw_drafts(logits[drawing], [reqs[active[row]] for row in drawing])
             rows = [active[row] for row in drawing]
+            logits = logits[drawing]
+            grammars.mask(logits, rows)
+            tokens, probs = draw_drafts(logits, [reqs[j] for j in rows])
+            grammars.accept(tokens, rows)
             draft_ids[torch.tensor(rows, device=self.device), i] = tokens
             for r, j in enumerate(rows):
                 if probs is not None and not reqs[j].sampling_params.is_greedy:
                     q_rows[j].append(probs[r])
+        grammars.restore()
         ids = draft_ids.tolist()  # the step's one wait for the device before the target verifies
         parts, q_by_index, j = [], {}, 0
         for index, part in enumerate(plan.parts):
             if part.model_drafts:
-                parts.append(dataclasses.replace(part, drafts=ids[j][:part.model_drafts]))
-                if q_rows[j]:
-                    q_by_index[index] = torch.stack(q_rows[j])
+                drafts = ids[j][:part.model_drafts]
+                if part.req.grammar is not None:
+                    drafts = drafts[:valid_draft_len(part.req.grammar, drafts)]
+                n = 1 + len(drafts)
+                parts.append(dataclasses.replace(part, drafts=drafts, extend_len=n, slots=part.slots[:n], logit_count=n))
+                if q_rows[j] and drafts:
+                    q_by_index[index] = torch.stack(q_rows[j][:len(drafts)])
                 j += 1
             else:
                 parts.append(part)
         return dataclasses.replace(plan, parts=parts), q_by_index
+
+
+class _DraftGrammars:
+    """The grammars of a step's constrained drafting requests: each draft step's logits are
+    masked by the state after the drafts before it, then the matchers are put back."""
+
+    def __init__(self, reqs: list[Req], backend: Callable[[], GrammarBackend]):
+        self.reqs, self.backend = reqs, backend
+        self.accepted = {j: 0 for j, r in enumerate(reqs) if r.grammar is not None}
+        self.live = set(self.accepted)  # still inside their grammar
+
+    def mask(self, logits: torch.Tensor, rows: list[int]) -> None:
+        masked = [r for r, j in enumerate(rows) if j in self.live and not self.reqs[j].grammar.is_terminated()]
+        if not masked:
+            return
+        backend = self.backend()
+        bitmask = backend.allocate_bitmask(len(rows))
+        for r in masked:
+            self.reqs[rows[r]].grammar.fill_bitmask(bitmask, r)
+        backend.apply_bitmask(logits, bitmask, masked)
+
+    def accept(self, tokens: torch.Tensor, rows: list[int]) -> None:
+        drawn = [(r, j) for r, j in enumerate(rows) if j in self.live]
+        if not drawn:
+            return
+        host = tokens.tolist()  # a wait for the device per draft step, for constrained requests only
+        for r, j in drawn:
+            if self.reqs[j].grammar.accept_token(host[r]):
+                self.accepted[j] += 1
+            else:  # past its end: the drafts from here on are cut
+                self.live.discard(j)
+
+    def restore(self) -> None:
+        for j, count in self.accepted.items():
+            if count:
+                self.reqs[j].grammar.rollback(count)
 
 
 def draw_drafts(logits: torch.Tensor, reqs: list[Req]) -> tuple[torch.Tensor, torch.Tensor | None]:

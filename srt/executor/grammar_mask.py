@@ -19,3 +19,25 @@ def apply_grammar_masks(logits: torch.Tensor, reqs: Sequence[Req], backend: Gram
     for row in rows:
         reqs[row].grammar.fill_bitmask(bitmask, row)
     backend.apply_bitmask(logits, bitmask, rows)
+
+
+def apply_draft_grammar_masks(logits: torch.Tensor, req: Req, drafts: Sequence[int], backend: GrammarBackend) -> None:
+    """Masks a verify step's rows, in place: row i by the request's grammar state after its first
+    i drafts (which the grammar admits: the planner cut them), as plain decoding would have
+    masked each of those steps. Rows after a draft that completes the grammar stay unmasked:
+    the request ends at that draft."""
+    matcher = req.grammar
+    bitmask = backend.allocate_bitmask(len(drafts) + 1)
+    rows, accepted = [], 0
+    for row in range(len(drafts) + 1):
+        if matcher.is_terminated():
+            break
+        matcher.fill_bitmask(bitmask, row)
+        rows.append(row)
+        if row < len(drafts):
+            if not matcher.accept_token(drafts[row]):
+                raise RuntimeError(f"draft {drafts[row]} violates the request's grammar")
+            accepted += 1
+    if accepted:
+        matcher.rollback(accepted)
+    backend.apply_bitmask(logits, bitmask, rows)

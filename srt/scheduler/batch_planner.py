@@ -12,6 +12,7 @@ import logging
 from typing import TYPE_CHECKING
 
 from radixlm.radix import common_prefix_len
+from radixlm.srt.constrained.decoding import valid_draft_len
 from radixlm.srt.scheduler.ngram import propose_ngram
 from radixlm.srt.scheduler.request import FinishReason, Req
 from radixlm.srt.scheduler.step_plan import ExtendPlan, StepPlan
@@ -199,6 +200,8 @@ class BatchPlanner:
         by_model = self.args.speculative_algorithm == "draft"
         drafts = [] if by_model else propose_ngram(req.fill_ids, room, self.args.speculative_ngram_max_match_window_size,
                                                    self.args.speculative_ngram_min_match_window_size)
+        if req.grammar is not None:  # cut at the first draft the grammar rejects (the engine cuts a model's)
+            drafts = drafts[:valid_draft_len(req.grammar, drafts)]
         slots = self.sched.kv.alloc_more(req, room if by_model else len(drafts)) if by_model or drafts else None
         if not slots:
             return part
@@ -254,9 +257,10 @@ def _extend_part(req: Req, extend_len: int, slots: list[int]) -> ExtendPlan:
 
 def _can_speculate(req: Req) -> bool:
     """Whether drafts can be verified for `req` with outputs exactly as without them: not while
-    a grammar, a penalty, min_new_tokens or logprobs shape each token."""
+    a penalty, min_new_tokens or logprobs shape each token. (Grammars can: each verify row is
+    masked by the grammar state after the drafts before it.)"""
     sp = req.sampling_params
-    return (req.grammar is None and not req.logprob.return_logprob and not sp.frequency_penalty
+    return (not req.logprob.return_logprob and not sp.frequency_penalty
             and not sp.presence_penalty and sp.repetition_penalty == 1.0 and req.pending_tokens == 0
             and len(req.output_ids) >= sp.min_new_tokens)
 

@@ -206,19 +206,29 @@ class Scheduler:
 
     def _commit_speculated(self, req: Req, start: int, tokens: list[int]) -> None:
         """A verify step's tokens: the accepted drafts and the model's next token, appended one
-        by one as if decoded (a stop ends it there). KV is valid through the last accepted
-        draft; the slots of rejected drafts are freed."""
+        by one as if decoded (a stop ends it there; so does a jump-forward of a constrained
+        request, as plain decoding would have jumped right after that token). KV is valid through
+        the last accepted draft kept; the slots of rejected drafts are freed."""
         req.spec_verify_ct += 1
         req.spec_accepted += len(tokens) - 1
         self.spec_verify_steps += 1
         self.spec_accepted_tokens += len(tokens) - 1
         reason = None
+        kept = 0
         for token in tokens:
             req.output_ids.append(token)
-            reason = check_finished(req, self.eos_ids, self.context_len, self.tokenizer)
-            if reason is not None:
+            kept += 1
+            jumped = False
+            if req.grammar is not None:
+                length = len(req.output_ids)
+                room = min(req.sampling_params.max_new_tokens - length, self.context_len - req.seq_len)
+                reason = self.constraints.advance(req, token, room)
+                jumped = len(req.output_ids) != length or req.output_ids[-1] != token
+            reason = reason or check_finished(req, self.eos_ids, self.context_len, self.tokenizer)
+            if reason is not None or jumped:
                 break
-        req.kv_len = min(req.seq_len, start + len(tokens))
+        # The newest token (replaced by a jump-forward, if any) has no KV yet.
+        req.kv_len = min(req.seq_len - 1, start + kept)
         if reason is not None:
             req.finish_reason = reason
             self.kv.release(req)
