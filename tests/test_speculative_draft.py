@@ -238,3 +238,21 @@ def test_constrained_requests_speculate_with_identical_output(which, engine, req
     assert json.loads(fast[0]["text"])["city"] == "Lisbon"
     assert all(o["meta_info"].get("spec_verify_ct", 0) > 0 for o in fast)
     assert_no_leak(eng)
+
+
+def test_server_with_a_draft_model(engine):
+    """`radixlm serve --speculative-algorithm draft --speculative-draft-model-path <GGUF>` over
+    HTTP: plain greedy text, verify forwards in meta_info and /get_server_info."""
+    from server_helpers import ServerProcess
+
+    srv = ServerProcess("--max-total-tokens", "4096", "--speculative-algorithm", "draft",
+                        "--speculative-draft-model-path", default_model_path(), "--speculative-num-steps", "3")
+    try:
+        with srv.client() as client:
+            out = client.post("/generate", json={"text": PROMPTS[1], "sampling_params": GREEDY}).json()
+            assert out["text"] == engine.generate(PROMPTS[1], GREEDY)["text"]
+            assert 0 < out["meta_info"]["spec_verify_ct"] <= 4
+            info = client.get("/get_server_info").json()["speculative"]
+            assert info["algorithm"] == "draft" and info["mean_accepted_length"] >= 3.0
+    finally:
+        srv.stop()
