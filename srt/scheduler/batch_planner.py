@@ -198,16 +198,20 @@ class BatchPlanner:
         if room <= 0:
             return part
         by_model = self.args.speculative_algorithm == "draft"
-        drafts = [] if by_model else propose_ngram(req.fill_ids, room, self.args.speculative_ngram_max_match_window_size,
-                                                   self.args.speculative_ngram_min_match_window_size)
-        if req.grammar is not None:  # cut at the first draft the grammar rejects (the engine cuts a model's)
-            drafts = drafts[:valid_draft_len(req.grammar, drafts)]
-        slots = self.sched.kv.alloc_more(req, room if by_model else len(drafts)) if by_model or drafts else None
+        if by_model:  # slots only: the engine's draft model drafts (and cuts them at a grammar's end)
+            drafts, count = [], room
+        else:
+            drafts = propose_ngram(req.fill_ids, room, self.args.speculative_ngram_max_match_window_size,
+                                   self.args.speculative_ngram_min_match_window_size)
+            if req.grammar is not None:  # cut at the first draft the grammar rejects
+                drafts = drafts[:valid_draft_len(req.grammar, drafts)]
+            count = len(drafts)
+        slots = self.sched.kv.alloc_more(req, count) if count else None
         if not slots:
             return part
-        n = 1 + len(slots)
+        n = 1 + count
         return ExtendPlan(req, part.start, n, part.slots + slots, part.start, n, drafts=drafts,
-                          model_drafts=len(slots) if by_model else 0)
+                          model_drafts=count if by_model else 0)
 
     def _ends_with_pending_token(self, req: Req) -> bool:
         if not req.pending_tokens:
