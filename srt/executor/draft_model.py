@@ -106,15 +106,16 @@ class DraftModel:
         reqs = [p.req for p in spec]
         most = max(p.model_drafts for p in spec)
         draft_ids = torch.zeros((len(spec), most), dtype=torch.int64, device=self.device)
-        newest = torch.tensor([p.req.fill_ids[p.start] for p in spec], dtype=torch.int64).to(self.device)
+        newest = self._on_device([p.req.fill_ids[p.start] for p in spec])
         q_rows: list[list[torch.Tensor]] = [[] for _ in spec]
         grammars = _DraftGrammars(reqs, grammar_backend)
         # Forward i feeds token i of each part (its newest token, then its drafts) at start + i;
         # a part's last forward feeds its last draft, for the KV only.
         for i in range(most + 1):
             active = [j for j, p in enumerate(spec) if i <= p.model_drafts]
-            index = torch.tensor(active, device=self.device)
-            fed = newest[index] if i == 0 else draft_ids[index, i - 1]
+            fed = newest if i == 0 else draft_ids[:, i - 1]
+            if len(active) < len(spec):
+                fed = fed[self._on_device(active)]
             logits = self.runner.forward(build_token_batch([spec[j] for j in active], i, fed, self.device))
             drawing = [row for row, j in enumerate(active) if i < spec[j].model_drafts]
             if not drawing:
@@ -124,7 +125,7 @@ class DraftModel:
             grammars.mask(logits, rows)
             tokens, probs = draw_drafts(logits, [reqs[j] for j in rows])
             grammars.accept(tokens, rows)
-            draft_ids[torch.tensor(rows, device=self.device), i] = tokens
+            draft_ids[self._on_device(rows), i] = tokens
             for r, j in enumerate(rows):
                 if probs is not None and not reqs[j].sampling_params.is_greedy:
                     q_rows[j].append(probs[r])
@@ -144,6 +145,10 @@ class DraftModel:
             else:
                 parts.append(part)
         return dataclasses.replace(plan, parts=parts), q_by_index
+
+    def _on_device(self, values: list[int]) -> torch.Tensor:
+        # Non-blocking: a blocking copy would wait for the draft forwards queued before it.
+        return torch.tensor(values, dtype=torch.int64).to(self.device, non_blocking=True)
 
 
 class _DraftGrammars:
@@ -189,7 +194,7 @@ def draw_drafts(logits: torch.Tensor, reqs: list[Req]) -> tuple[torch.Tensor, to
     params = [r.sampling_params for r in reqs]
     if all(p.is_greedy for p in params):
         return logits.argmax(dim=-1), None
-    temps = torch.tensor([1.0 if p.is_greedy else p.temperature for p in params], device=logits.device)
+    temps = torch.tensor([1.0 if p.is_greedy else p.temperature for p in params]).to(logits.device, non_blocking=True)
     probs = torch.softmax(logits.float() / temps[:, None], dim=-1)
     if any(p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0 for p in params):
         probs = filter_probs(probs, params)
