@@ -27,21 +27,24 @@ PROMPTS = [LONG, "The capital of France is", "def add(a, b):\n    return a + b\n
 GREEDY = {"temperature": 0, "max_new_tokens": 12}
 
 
-@pytest.fixture(scope="module")
-def truncated_draft(tmp_path_factory):
-    """The default model cut to its first 2 layers, as an HF directory (a real user path)."""
+def cut_default_model(folder, **overrides) -> str:
+    """The default model with its config changed (e.g. cut to its first layers), as an HF
+    directory: a real user path."""
     from radixlm.srt.executor.model_loader import load_model
 
     source = load_model(with_weights=False).local_dir
-    folder = tmp_path_factory.mktemp("draft2")
     for name in os.listdir(source):
         if name != "config.json":
             os.symlink(os.path.join(source, name), folder / name)
     with open(os.path.join(source, "config.json")) as f:
         config = json.load(f)
-    config["num_hidden_layers"] = 2
-    (folder / "config.json").write_text(json.dumps(config))
+    (folder / "config.json").write_text(json.dumps({**config, **overrides}))
     return str(folder)
+
+
+@pytest.fixture(scope="module")
+def truncated_draft(tmp_path_factory):
+    return cut_default_model(tmp_path_factory.mktemp("draft2"), num_hidden_layers=2)
 
 
 @pytest.fixture(scope="module")
@@ -96,6 +99,16 @@ def test_a_draft_with_another_vocabulary_is_refused():
     with pytest.raises(ValueError, match="small.gguf and the target big.gguf have different tokenizers"):
         check_same_vocabulary(target, model("small.gguf", 4, {"a": 1, "b": 0}))
     check_same_vocabulary(target, model("small.gguf", 4, {"a": 0, "b": 1}))
+
+
+def test_a_draft_with_a_shorter_context_is_refused(tmp_path):
+    from radixlm.srt import Engine
+
+    short = cut_default_model(tmp_path, num_hidden_layers=1, max_position_embeddings=1024)
+    with pytest.raises(ValueError, match="reads 1024 tokens of context, fewer than the 8192 served"):
+        Engine(max_total_tokens=1024, speculative_algorithm="draft", speculative_draft_model_path=short)
+    Engine(max_total_tokens=1024, context_length=1024, speculative_algorithm="draft",
+           speculative_draft_model_path=short).shutdown()
 
 
 def test_self_draft_is_identical_and_accepts_nearly_everything(engine, self_draft_engine):

@@ -81,6 +81,11 @@ def kv_slots_with_draft(config, args: ServerArgs) -> int:
 class DraftModel:
     def __init__(self, target, args: ServerArgs, req_to_token: torch.Tensor, num_kv_slots: int):
         draft = load_draft_model(args, target)
+        context_len = args.context_length or target.config.context_len
+        if draft.config.context_len < context_len:
+            raise ValueError(f"speculative_draft_model_path: the draft model {draft.model_path} reads "
+                             f"{draft.config.context_len} tokens of context, fewer than the {context_len} served "
+                             f"(the target {target.model_path}); pass --context-length {draft.config.context_len}")
         self.runner = ModelRunner(draft, args, req_to_token, num_kv_slots)
         self.device = self.runner.device
         logger.info("draft model %s: %d layers, hidden %d", draft.model_path, draft.config.num_layers,
