@@ -42,6 +42,30 @@ def test_fp8_linear_cuda_matches_dequantized_reference(rows):
     assert ((got.float() - exact).norm() / exact.norm()).item() < 0.05
 
 
+@pytest.mark.parametrize("rows", [1, 2, 5, 16, 17])
+@pytest.mark.parametrize("shape", [(6144, 4096), (4096, 14336), (960, 576)])
+def test_skinny_kernel_equals_scaled_mm_path(rows, shape):
+    """Decode-sized batches (<= 16 rows) run the Triton kernel; more rows, torch._scaled_mm:
+    both quantize x per token and compute the same products."""
+    from radixlm.srt.executor.quantization import fp8 as fp8_module
+
+    from radixlm.srt.executor.quantization.fp8_triton import SKINNY_MAX_ROWS, fp8_skinny_linear
+
+    n, k = shape
+    torch.manual_seed(rows)
+    q = Fp8Linear.from_linear(nn.Linear(k, n, bias=False, device="cuda", dtype=DTYPE))
+    x = torch.randn(rows, k, device="cuda", dtype=DTYPE)
+    xq, xs = quantize_per_token_torch(x)
+    want = torch._scaled_mm(xq, q.weight.t(), scale_a=xs, scale_b=q.weight_scale, out_dtype=torch.float32)
+    outs = [q(x).float()]  # whichever path the module takes (the kernel only with RADIXLM_FP8_SKINNY=1)
+    if rows <= SKINNY_MAX_ROWS:
+        outs.append(fp8_skinny_linear(x, q.weight, q.weight_scale, DTYPE).float())
+    for got in outs:
+        rel = (got - want).norm() / want.norm()
+        assert rel < 5e-3, rel  # bf16 output rounding, and an x value moved by one e4m3 step here and there
+    assert fp8_module.Fp8Linear is Fp8Linear
+
+
 def test_fp8_linear_cuda_float16_model():
     """fp16 models: the row-wise GEMM makes bf16, cast to fp16 after."""
     lin = nn.Linear(256, 128, bias=False, device="cuda", dtype=torch.float16)
@@ -59,7 +83,9 @@ def test_triton_per_token_quant_matches_torch(shape):
     got_q, got_s = quantize_per_token(x)
     want_q, want_s = quantize_per_token_torch(x)
     torch.testing.assert_close(got_s, want_s, rtol=1e-6, atol=0)
-    torch.testing.assert_close(got_q.float(), want_q.float(), rtol=0.07, atol=0)  # at most one e4m3 step apart
+    # Triton's fp32 division may round differently in the last bit, moving a value that sits on
+    # a rounding boundary by one e4m3 step (at most 1/8 relative).
+    torch.testing.assert_close(got_q.float(), want_q.float(), rtol=0.126, atol=0)
     assert (got_q.float() == want_q.float()).float().mean() > 0.999
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 
 import torch
 from torch import nn
@@ -88,14 +89,20 @@ class Fp8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
-        xq, x_scale = quantize_per_token(x.reshape(-1, self.in_features))
+        x2 = x.reshape(-1, self.in_features)
+        if x2.is_cuda and _triton_skinny is not None and x2.shape[0] <= _SKINNY_MAX_ROWS:
+            # Decode-sized batches: one Triton launch that quantizes x and streams the weights
+            # (cuBLAS's FP8 GEMM reads them at a fraction of the bandwidth for a few rows).
+            return self._finish(_triton_skinny(x2, self.weight, self.weight_scale, self.out_dtype), lead)
+        xq, x_scale = quantize_per_token(x2)
         if xq.is_cuda:
             out = torch._scaled_mm(xq, self.weight.t(), scale_a=x_scale, scale_b=self.weight_scale,
                                    out_dtype=self.gemm_dtype)
         else:
             out = self._cpu_scaled_mm(xq, x_scale)
-        if out.dtype != self.out_dtype:
-            out = out.to(self.out_dtype)
+        return self._finish(out.to(self.out_dtype), lead)
+
+    def _finish(self, out: torch.Tensor, lead: torch.Size) -> torch.Tensor:
         if self.bias is not None:
             out = out + self.bias
         return out.reshape(*lead, self.out_features)
@@ -168,12 +175,15 @@ def fp8_weight_bytes(shapes: dict[str, tuple[int, ...]], dtype: torch.dtype) -> 
     return total
 
 
-def _load_triton_quant():
+def _load_triton():
     try:
-        from radixlm.srt.executor.quantization.fp8_triton import quantize_per_token_triton
+        from radixlm.srt.executor.quantization import fp8_triton
     except ImportError:
-        return None
-    return quantize_per_token_triton
+        return None, None, 0
+    # The decode-sized kernel is opt-in until it has passed tests/test_gpu_fp8.py on a GPU
+    # (RADIXLM_FP8_SKINNY=1); without it every batch goes through _scaled_mm.
+    skinny = fp8_triton.fp8_skinny_linear if os.environ.get("RADIXLM_FP8_SKINNY") == "1" else None
+    return fp8_triton.quantize_per_token_triton, skinny, fp8_triton.SKINNY_MAX_ROWS
 
 
-_triton_quant = _load_triton_quant()
+_triton_quant, _triton_skinny, _SKINNY_MAX_ROWS = _load_triton()

@@ -68,3 +68,56 @@ def store_kv_fp8(k_buf: torch.Tensor, v_buf: torch.Tensor, slots: torch.Tensor, 
     _store_kv_fp8_kernel[(num_tokens, num_heads)](
         k, v, slots, k_buf, v_buf, k.stride(0), k.stride(1), v.stride(0), v.stride(1), k_buf.stride(0),
         k_buf.stride(1), 1.0 / k_scale, 1.0 / v_scale, FP8_MAX=_FP8_MAX, HEAD_DIM=head_dim)
+
+
+@triton.jit
+def _fp8_skinny_kernel(x_ptr, w_ptr, w_scale_ptr, out_ptr, M, N, K, stride_xm, stride_om,
+                       FP8_MAX: tl.constexpr, EPS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                       BLOCK_K: tl.constexpr):
+    """out = quant(x) @ w^T * x_scale * w_scale for a few rows: each program owns BLOCK_N output
+    channels, finds the rows' absmax itself (x is small and stays in cache), quantizes x per
+    token as quantize_per_token does, and streams its weight rows once. e4m3 values are exact
+    in bf16 and so are their products in fp32: the bf16 dot computes what _scaled_mm does."""
+    pid_n = tl.program_id(0)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_mask = offs_m < M
+    n_mask = offs_n < N
+    amax = tl.zeros([BLOCK_M], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
+                    mask=m_mask[:, None] & (offs_k[None, :] < K), other=0.0).to(tl.float32)
+        amax = tl.maximum(amax, tl.max(tl.abs(x), axis=1))
+    x_scale = tl.maximum(amax / FP8_MAX, EPS)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
+                    mask=m_mask[:, None] & (offs_k[None, :] < K), other=0.0).to(tl.float32)
+        xq = tl.clamp(x / x_scale[:, None], -FP8_MAX, FP8_MAX).to(w_ptr.dtype.element_ty).to(tl.bfloat16)
+        w = tl.load(w_ptr + offs_n[None, :] * K + offs_k[:, None], mask=n_mask[None, :] & (offs_k[:, None] < K),
+                    other=0.0)
+        acc += tl.dot(xq, w.to(tl.bfloat16))
+    w_scale = tl.load(w_scale_ptr + offs_n, mask=n_mask, other=0.0)
+    out = acc * x_scale[:, None] * w_scale[None, :]
+    tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], out.to(out_ptr.dtype.element_ty),
+             mask=m_mask[:, None] & n_mask[None, :])
+
+
+SKINNY_MAX_ROWS = 16  # up to here one launch reads the weights once; more rows go through _scaled_mm
+
+
+def fp8_skinny_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                      out_dtype: torch.dtype) -> torch.Tensor:
+    """[M <= 16, K] (model dtype) x e4m3 [N, K] with float32 scales [1, N] -> [M, N] in out_dtype."""
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    rows, k = x.shape
+    n = weight.shape[0]
+    out = torch.empty((rows, n), dtype=out_dtype, device=x.device)
+    block_n = 32
+    _fp8_skinny_kernel[(triton.cdiv(n, block_n),)](
+        x, weight, weight_scale, out, rows, n, k, x.stride(0), out.stride(0), FP8_MAX=_FP8_MAX, EPS=_EPS,
+        BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=256, num_warps=4, num_stages=4)
+    return out
