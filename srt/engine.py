@@ -44,6 +44,7 @@ class Engine:
             tp.barrier("ready")
             if self._ranks:
                 self._ranks.wait_ready()
+                self.scheduler.engine.runner.step_sender.start_heartbeats()
         except BaseException:
             if self._ranks:
                 self._ranks.stop()

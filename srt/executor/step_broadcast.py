@@ -54,6 +54,10 @@ class StepSender:
         self._lock = threading.Lock()
         self._last_sent = time.monotonic()
         self._stopped = False
+
+    def start_heartbeats(self) -> None:
+        """From now on the group carries only this sender's messages (call it after the last
+        start-up collective: a heartbeat amid a barrier on the same group would deadlock)."""
         threading.Thread(target=self._heartbeats, name="tp-heartbeat", daemon=True).start()
 
     @contextlib.contextmanager
