@@ -145,6 +145,32 @@ def test_two_nodes_serve_the_same_outputs_and_node1_leaves_with_node0(server):
         log.close()
 
 
+@pytest.mark.slow
+def test_a_rank_that_dies_fails_the_server_instead_of_hanging_it():
+    addr = f"127.0.0.1:{free_port()}"
+    common = ["--tp-size", "2", "--nnodes", "2", "--dist-init-addr", addr, "--max-total-tokens", "4096",
+              "--dist-timeout", "10"]
+    node1 = subprocess.Popen([sys.executable, "-m", "radixlm.srt.launch", *common, "--node-rank", "1"],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    node0 = ServerProcess(*common, "--node-rank", "0")
+    try:
+        assert _generate(node0.base_url, PROMPTS[0], max_new_tokens=4)[0]["meta_info"]["completion_tokens"] == 4
+        node1.kill()  # its rank exits within a second (it watches its parent)
+        node1.wait(30)
+        time.sleep(2)
+        started = time.monotonic()
+        r = httpx.post(f"{node0.base_url}/generate", timeout=120,
+                       json={"text": PROMPTS[1], "sampling_params": {"max_new_tokens": 8}})
+        assert time.monotonic() - started < 60
+        finish = r.json()["meta_info"]["finish_reason"]  # failed, as other internal errors are
+        assert finish["type"] == "abort" and "tensor-parallel step failed" in finish["message"]
+        assert node0.proc.wait(60) == 1  # the server exits, it does not serve with half a model
+    finally:
+        node0.stop()
+        if node1.poll() is None:
+            node1.kill()
+
+
 def test_an_unreachable_dist_init_addr_fails_naming_it():
     port = free_port()  # nothing listens there
     started = time.monotonic()

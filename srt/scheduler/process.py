@@ -37,10 +37,14 @@ class _Sent:
 
 
 class SchedulerLoop:
-    def __init__(self, scheduler: Scheduler, recv: zmq.Socket, send: zmq.Socket):
+    def __init__(self, scheduler: Scheduler, recv: zmq.Socket, send: zmq.Socket, fatal_step_errors: bool = False):
+        """fatal_step_errors: a failed step ends the process after failing its requests (tensor
+        parallelism: the ranks may no longer agree on where they are; the server then exits
+        non-zero instead of hanging in the next collective)."""
         self.scheduler = scheduler
         self.recv = recv
         self.send = send
+        self.fatal_step_errors = fatal_step_errors
         self.sent: dict[str, _Sent] = {}
         self.reqs: dict[str, Req] = {}
 
@@ -59,6 +63,10 @@ class SchedulerLoop:
             stepped = self.scheduler.step()
         except Exception as e:  # keep serving: fail what was in flight, not the process
             logger.error("scheduler step failed:\n%s", traceback.format_exc())
+            if self.fatal_step_errors:
+                self._send_outputs(self.scheduler.abort_all(
+                    f"internal error: tensor-parallel step failed (a rank died or stopped answering): {e}"))
+                raise SystemExit(1) from None
             stepped = self.scheduler.abort_all(f"internal error: {e}")
         self._send_outputs(stepped)
 
@@ -202,10 +210,13 @@ def run_scheduler_process(server_args: dict[str, Any], recv_addr: str, send_addr
         "max_total_tokens": scheduler.allocator.capacity, "context_len": scheduler.context_len})))
     ready.close()
     try:
-        SchedulerLoop(scheduler, recv, send).run_forever()
+        SchedulerLoop(scheduler, recv, send, fatal_step_errors=sender is not None).run_forever()
     finally:
         if sender is not None:
-            sender.stop()
+            try:
+                sender.stop()
+            except Exception:  # the other ranks may be gone (why we are stopping)
+                pass
         recv.close()
         send.close()
         ctx.term()
