@@ -24,7 +24,7 @@ from radixlm.srt.constrained.backend import GrammarBackend
 from radixlm.srt.constrained.decoding import valid_draft_len
 from radixlm.srt.executor.batch_builder import build_extend_batch, build_token_batch
 from radixlm.srt.executor.forward_batch import ForwardBatch
-from radixlm.srt.executor.mem_pool import KVPool
+from radixlm.srt.executor.mem_pool import KVPool, kv_cache_torch_dtype
 from radixlm.srt.executor.model_runner import ModelRunner, kv_slots_for, model_bytes
 from radixlm.srt.executor.sampler import filter_probs, make_generator
 from radixlm.srt.scheduler.request import Req
@@ -69,8 +69,9 @@ def kv_slots_with_draft(config, args: ServerArgs) -> int:
         return target_only
     draft = load_draft_model(args, with_weights=False).config
     dtype = args.resolved_dtype()
-    per_token = [KVPool.bytes_per_token(c.num_layers, c.num_kv_heads, c.head_dim, dtype) for c in (config, draft)]
-    budget = target_only * per_token[0] - 2 * model_bytes(draft, dtype)
+    kv_dtype = kv_cache_torch_dtype(args.kv_cache_dtype, dtype)  # as kv_slots_for counted the target's
+    per_token = [KVPool.bytes_per_token(c.num_layers, c.num_kv_heads, c.head_dim, kv_dtype) for c in (config, draft)]
+    budget = target_only * per_token[0] - 2 * model_bytes(draft, dtype, args.quantization)
     slots = int(budget // sum(per_token))
     if slots < 4096:
         raise ValueError(f"mem_fraction_static: {args.mem_fraction_static} leaves no room for the KV cache of "
