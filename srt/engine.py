@@ -44,7 +44,7 @@ class Engine:
             tp.barrier("ready")
             if self._ranks:
                 self._ranks.wait_ready()
-                self.scheduler.engine.runner.step_sender.start_heartbeats()
+                self.scheduler.engine.runner.step_sender.start(self.scheduler.req_table.dirty_from)
         except BaseException:
             if self._ranks:
                 self._ranks.stop()

@@ -11,6 +11,7 @@ import time
 
 import httpx
 import pytest
+import torch
 
 from radixlm.srt.configs import ModelConfig
 from radixlm.srt.executor.models.sharding import ShardPlan, check_tp_size
@@ -77,6 +78,49 @@ def test_an_absent_rank_is_named_when_the_rendezvous_times_out():
     with pytest.raises(RuntimeError, match=r"rank\(s\) \[1, 2\] of 3 did not join .* within 1s"):
         _rendezvous("127.0.0.1", port, 0, 3, timeout=1.0)
     assert time.monotonic() - started < 10
+
+
+def test_followers_tables_match_rank0s_rows_whatever_the_policy_wrote():
+    """Random admissions (prefixes written at once), appends, one-slot-each decode writes and
+    truncations; every batch's rows, as a follower rebuilds them from the deltas, equal rank
+    0's table up to their lengths."""
+    import numpy as np
+
+    from radixlm.srt.executor.parallel import TensorParallel
+    from radixlm.srt.executor.step_broadcast import StepSender
+    from radixlm.srt.scheduler.kv_memory import ReqToTokenTable
+
+    rng = np.random.default_rng(0)
+    table = ReqToTokenTable(8, 64)
+    sender = StepSender(TensorParallel(), table.table, torch.device("cpu"))
+    sender.dirty_from = table.dirty_from
+    follower = np.zeros_like(table.table)
+    lengths = np.zeros(8, dtype=np.int64)
+    sent = 0
+    for _ in range(400):
+        row = int(rng.integers(8))
+        op = rng.integers(4)
+        if op == 0:  # a new request on the row, with a cached prefix
+            n = int(rng.integers(0, 20))
+            table.write(row, 0, rng.integers(1, 10**6, n).tolist())
+            lengths[row] = n
+        elif op == 1 and lengths[row] < 60:  # new tokens
+            n = int(rng.integers(1, 4))
+            table.write(row, int(lengths[row]), rng.integers(1, 10**6, n).tolist())
+            lengths[row] += n
+        elif op == 2:  # rejected drafts: the length shrinks, later writes reuse the positions
+            lengths[row] = int(rng.integers(0, lengths[row] + 1))
+        else:  # a decode step for a few rows: one slot each, then the batch goes out
+            rows = np.unique(rng.integers(8, size=3))
+            rows = rows[lengths[rows] < 60]
+            table.write_each(rows, lengths[rows], rng.integers(1, 10**6, len(rows)))
+            lengths[rows] += 1
+            deltas = sender._table_deltas(rows.tolist(), lengths[rows].tolist()).reshape(-1, 3)
+            follower[deltas[:, 0], deltas[:, 1]] = deltas[:, 2]
+            sent += len(deltas)
+            for r in rows:
+                assert (follower[r, :lengths[r]] == table.table[r, :lengths[r]]).all()
+    assert 0 < sent < 400 * 20  # new entries only, not whole rows every step
 
 
 def _generate(base_url: str, text, **params) -> list[dict]:

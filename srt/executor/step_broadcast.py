@@ -3,9 +3,10 @@
 Only rank 0 runs the scheduling policy; the others are followers that run the same forward on
 their shard of the weights. Before each forward rank 0 broadcasts the batch (token ids,
 positions, KV slots, rows, lengths, logit rows) and the entries of the request-to-token table
-its rows read that the followers' copies lack. The table is diffed against a mirror of what
-was sent, so a follower's table rows are exactly rank 0's for every forward whatever the
-policy did in between (radix-cache hits, retractions, speculation's truncations). Attention
+its rows read that the followers' copies lack: the policy's table marks, per row, the first
+position written since the row was last sent (kv_memory.py), so a follower's rows are exactly
+rank 0's for every forward whatever the policy did in between (radix-cache hits, retractions,
+speculation's truncations), at the cost of the new entries only. Attention
 plans and CUDA-graph choices are computed from the batch and the table, so every rank makes
 the same ones.
 
@@ -48,16 +49,18 @@ class StepSender:
     def __init__(self, tp: TensorParallel, table: np.ndarray, device: torch.device):
         self.tp = tp
         self.table = table
-        self.mirror = np.zeros_like(table)  # what the followers' tables hold
+        self.dirty_from: np.ndarray | None = None  # ReqToTokenTable.dirty_from, given to start()
         self.device = device
         # One message at a time on the group, whichever thread sends it.
         self._lock = threading.Lock()
         self._last_sent = time.monotonic()
         self._stopped = False
 
-    def start_heartbeats(self) -> None:
-        """From now on the group carries only this sender's messages (call it after the last
+    def start(self, dirty_from: np.ndarray) -> None:
+        """Starts sending. `dirty_from`: the policy's per-row marks of written table entries.
+        From now on the group carries only this sender's messages (call it after the last
         start-up collective: a heartbeat amid a barrier on the same group would deadlock)."""
+        self.dirty_from = dirty_from
         threading.Thread(target=self._heartbeats, name="tp-heartbeat", daemon=True).start()
 
     @contextlib.contextmanager
@@ -108,20 +111,21 @@ class StepSender:
         self._last_sent = time.monotonic()
 
     def _table_deltas(self, rows: list[int], seq_lens: list[int]) -> np.ndarray:
-        """(row, position, slot) triples, flat, where the rows' first seq_len entries differ
-        from what the followers have; the mirror is brought up to date."""
+        """(row, position, slot) triples, flat: each row's entries from its first written
+        position up to its length. Afterwards the rows count as sent up to their lengths (what
+        lies beyond may have been written and is sent when a batch reads it)."""
         if not rows:
             return np.zeros(0, np.int64)
-        width = max(seq_lens)
-        idx = np.asarray(rows)
-        now, sent = self.table[idx, :width], self.mirror[idx, :width]
-        changed = (now != sent) & (np.arange(width) < np.asarray(seq_lens)[:, None])
-        which, pos = np.nonzero(changed)
-        if which.size == 0:
+        idx, ends = np.asarray(rows, np.int64), np.asarray(seq_lens, np.int64)
+        starts = np.minimum(self.dirty_from[idx], ends)
+        self.dirty_from[idx] = ends
+        counts = ends - starts
+        total = int(counts.sum())
+        if total == 0:
             return np.zeros(0, np.int64)
-        slots = now[which, pos]
-        self.mirror[idx[which], pos] = slots
-        return np.stack([idx[which], pos, slots], axis=1).astype(np.int64).ravel()
+        which = np.repeat(idx, counts)
+        pos = np.repeat(starts - (np.cumsum(counts) - counts), counts) + np.arange(total)
+        return np.stack([which, pos, self.table[which, pos]], axis=1).ravel()
 
 
 class StepReceiver:

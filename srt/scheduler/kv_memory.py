@@ -23,7 +23,21 @@ class ReqToTokenTable:
 
     def __init__(self, max_reqs: int, max_context_len: int):
         self.table = np.zeros((max_reqs, max_context_len), dtype=np.int64)
+        # Per row, the first position written since tensor parallelism's rank 0 last sent the
+        # row to the other ranks (executor/step_broadcast.py); rows are dirty from 0 at first.
+        self.dirty_from = np.zeros(max_reqs, dtype=np.int64)
         self._free_rows = list(range(max_reqs - 1, -1, -1))
+
+    def write(self, row: int, start: int, slots) -> None:
+        """table[row, start:start + len(slots)] = slots. Every write goes through here or
+        `write_each`, so the dirty marks are exact."""
+        self.table[row, start:start + len(slots)] = slots
+        self.dirty_from[row] = min(self.dirty_from[row], start)
+
+    def write_each(self, rows: np.ndarray, cols: np.ndarray, slots) -> None:
+        """table[rows[i], cols[i]] = slots[i] for distinct rows."""
+        self.table[rows, cols] = slots
+        self.dirty_from[rows] = np.minimum(self.dirty_from[rows], cols)
 
     @property
     def available_size(self) -> int:

@@ -193,7 +193,7 @@ def run_scheduler_process(server_args: dict[str, Any], recv_addr: str, send_addr
         tp.barrier("ready")  # every rank has its shard and KV pool
         sender = scheduler.engine.runner.step_sender if tp.enabled else None
         if sender is not None:
-            sender.start_heartbeats()
+            sender.start(scheduler.req_table.dirty_from)
         recv = ctx.socket(zmq.PULL)
         recv.setsockopt(zmq.LINGER, 0)
         recv.bind(recv_addr)

@@ -36,7 +36,7 @@ class RequestKV:
         if not req.output_ids:
             req.cached_tokens = match.matched_len
         if match.matched_len:
-            self.req_table.table[row, :match.matched_len] = match.slot_indices
+            self.req_table.write(row, 0, match.slot_indices)
         return True
 
     def alloc(self, req: Req, new_len: int, reserve: int = 0) -> list[int] | None:
@@ -50,7 +50,7 @@ class RequestKV:
         last = int(self.req_table.table[req.req_pool_idx, req.kv_len - 1]) if req.kv_len else None
         slots = self.allocator.alloc(req.kv_len, new_len, last)
         if slots is not None:
-            self.req_table.table[req.req_pool_idx, req.kv_len:req.kv_len + new_len] = slots
+            self.req_table.write(req.req_pool_idx, req.kv_len, slots)
             req.alloc_len = req.kv_len + new_len
         return slots
 
@@ -64,7 +64,7 @@ class RequestKV:
         slots = self.allocator.alloc_one_each(cols.tolist(), last)
         if slots is None:
             raise RuntimeError("the KV pool cannot hold one request; raise --max-total-tokens")
-        table[rows, cols] = slots
+        self.req_table.write_each(rows, cols, slots)
         for req in reqs:
             req.alloc_len = req.kv_len + 1
         return slots
@@ -79,7 +79,7 @@ class RequestKV:
         last = int(self.req_table.table[row, req.alloc_len - 1]) if req.alloc_len else None
         slots = self.allocator.alloc(req.alloc_len, new_len, last)
         if slots is not None:
-            self.req_table.table[row, req.alloc_len:req.alloc_len + new_len] = slots
+            self.req_table.write(row, req.alloc_len, slots)
             req.alloc_len += new_len
         return slots
 
@@ -104,7 +104,7 @@ class RequestKV:
         self.tree.lock(match.node)
         req.last_node = match.node
         req.cached_len = match.matched_len
-        self.req_table.table[row, :match.matched_len] = match.slot_indices
+        self.req_table.write(row, 0, match.slot_indices)
 
     def release(self, req: Req, retracting: bool = False) -> None:
         """Gives a request's KV back: its computed sequence goes into the tree (unless aborted or
