@@ -25,7 +25,7 @@ import torch
 
 from radixlm.srt.configs import ModelConfig
 from radixlm.srt.executor.gguf_loader import convert_gguf, convert_gguf_tokenizer
-from radixlm.srt.executor.quantization.checkpoint import check_checkpoint_quantization
+from radixlm.srt.executor.quantization.checkpoint import checkpoint_quantization
 from radixlm.srt.executor.models.sharding import Piece, ShardPlan
 
 logger = logging.getLogger(__name__)
@@ -58,6 +58,9 @@ class LoadedModel:
     tokenizer: Any
     weights: Mapping[str, torch.Tensor]  # a dict, or DummyWeights (made when read) for load_format="dummy"
     shard: ShardPlan | None = None  # tensor parallelism: this rank's part (weights hold only that)
+    # An FP8 checkpoint: each FP8 projection's per-tensor scale, by HF weight name (the weights
+    # hold its e4m3 values cast exactly to the model dtype); None for other checkpoints.
+    fp8_scales: dict[str, torch.Tensor] | None = None
 
 
 def default_model_path() -> str:
@@ -112,7 +115,7 @@ def load_model(
     local_dir, config_file = _resolve(source, load_format, expected_sha256)
 
     hf_config = _load_hf_config(config_file)
-    check_checkpoint_quantization(hf_config, source)  # FP8 / quantized checkpoints: refused by name
+    quantized = checkpoint_quantization(hf_config, source)  # "fp8" (per-tensor), or None; others refused
     _apply_overrides(hf_config, model_config_overrides or {})
     config = _model_config(hf_config, source)
     rank, size = tensor_parallel
@@ -133,14 +136,16 @@ def load_model(
         # Made whole and cut, one tensor at a time: a rank's part equals the same part at any tp_size.
         weights = ShardedWeights(weights, shard) if shard else weights
     else:
-        weights = _load_safetensors(local_dir, config, dtype, device, shard)
+        fp8_scales = {} if quantized == "fp8" else None
+        weights = _load_safetensors(local_dir, config, dtype, device, shard, fp8_scales)
     size_mib = (sum(math.prod(shape) for shape in weight_shapes(config).values()) * dtype.itemsize / 2**20
                 if weights else 0.0)
     logger.info(
         "loaded %s (%s, %d tensors, %.0f MiB %s on %s) in %.2fs",
         source, load_format, len(weights), size_mib, dtype, device, time.perf_counter() - started,
     )
-    return LoadedModel(source, str(local_dir), hf_config, config, tokenizer, weights, shard)
+    return LoadedModel(source, str(local_dir), hf_config, config, tokenizer, weights, shard,
+                       fp8_scales if with_weights and load_format != "dummy" else None)
 
 
 def load_tokenizer(path: str | os.PathLike[str]) -> Any:
@@ -316,8 +321,11 @@ def _safetensors_files(local_dir: Path) -> list[Path]:
 
 def _load_safetensors(
     local_dir: Path, config: ModelConfig, dtype: torch.dtype, device: str | torch.device,
-    plan: ShardPlan | None = None,
+    plan: ShardPlan | None = None, fp8_scales: dict[str, torch.Tensor] | None = None,
 ) -> dict[str, torch.Tensor]:
+    """The checkpoint's tensors in `dtype` (this rank's pieces under tensor parallelism). For an
+    FP8 checkpoint, `fp8_scales` collects each projection's weight_scale; its e4m3 weights are
+    cast exactly, and input_scale (static activation scales) is not used."""
     from safetensors import safe_open
 
     expected = weight_shapes(config)
@@ -327,6 +335,12 @@ def _load_safetensors(
         # One tensor at a time, so peak memory is one shard plus one cast tensor.
         with safe_open(str(file), framework="pt", device=str(device)) as reader:
             for name in reader.keys():
+                if fp8_scales is not None and name.endswith(("weight_scale", "input_scale")):
+                    if name.endswith("weight_scale"):
+                        weight_name = name.removesuffix("_scale")
+                        fp8_scales[weight_name] = _rank_scales(reader.get_tensor(name).float().reshape(-1),
+                                                               plan.pieces(weight_name) if plan else None)
+                    continue
                 if name not in expected:
                     # Old checkpoints keep rotary inv_freq buffers; tied models may still save lm_head.
                     if not (name.endswith("rotary_emb.inv_freq") or name == "lm_head.weight"):
@@ -351,3 +365,11 @@ def _load_safetensors(
     if wrong:
         raise ValueError(f"{local_dir}: tensor shapes differ from the config (name, found, expected): {wrong[:3]}")
     return weights
+
+
+def _rank_scales(scales: torch.Tensor, pieces: list[Piece] | None) -> torch.Tensor:
+    """An FP8 weight's scales for this rank: one per tensor as it is; one per output row cut as
+    the weight's rows are (a row-parallel weight keeps all its rows)."""
+    if scales.numel() == 1 or not pieces or pieces[0][0] != 0:
+        return scales
+    return torch.cat([scales[start:stop] for _, start, stop in pieces])

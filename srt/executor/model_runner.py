@@ -53,7 +53,8 @@ class ModelRunner:
         self.model.load_weights(loaded.weights)
         # .to(device) too: rotary tables are built on the host (fp64 math) whatever the device.
         self.model.to(device=self.device, dtype=self.dtype).eval()
-        apply_quantization(self.model, args, self.device)  # --quantization fp8: projections to FP8
+        # --quantization fp8, or an FP8 checkpoint: projections in FP8
+        apply_quantization(self.model, args, self.device, loaded.fp8_scales)
         local = self.model.config  # this rank's heads under tensor parallelism
         kv_dtype = kv_cache_torch_dtype(args.kv_cache_dtype, self.dtype)  # --kv-cache-dtype fp8_e4m3: FP8
         self.kv_pool = KVPool(num_kv_slots, cfg.num_layers, local.num_kv_heads, cfg.head_dim, kv_dtype, self.device)
