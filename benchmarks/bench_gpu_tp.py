@@ -19,7 +19,6 @@ import argparse
 import gc
 import json
 import os
-import random
 import shlex
 import sys
 import tempfile
@@ -29,8 +28,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_gpu_llama8b import (CONFIG, TOKENIZERS, Reporter, measure_bandwidth, offline_workload,  # noqa: E402
-                               random_prompts, timed)
+from bench_gpu_fp8 import decode_ms_per_token  # noqa: E402
+from bench_gpu_llama8b import CONFIG, TOKENIZERS, Reporter, measure_bandwidth, offline_workload  # noqa: E402
 
 LLAMA_70B = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 8192,
              "intermediate_size": 28672, "num_hidden_layers": 80, "num_attention_heads": 64,
@@ -42,20 +41,6 @@ LLAMA_70B = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidd
 VLLM_70B_TP2 = {"decode_ms_per_token": 19.84, "offline_400_seconds": 76.6, "offline_400_output_tok_s": 1343.0,
                 "date": "2026-11-30", "version": "0.24.0", "machine": "2x NVIDIA H200 (this project's GPU machine)",
                 "settings": "tensor_parallel_size=2, dummy weights, bf16", "measured_in_this_run": False}
-
-
-def decode_ms(engine) -> float:
-    """Batch-1 ms per decoded token: the difference of a long and a short generation cancels
-    prefill and per-request costs."""
-    prompt = random_prompts(random.Random(1), [128])[0]
-
-    def gen(n):
-        engine.generate(input_ids=prompt, sampling_params={"temperature": 0, "max_new_tokens": n, "ignore_eos": True})
-        engine.flush_cache()
-
-    short, long = 32, 288
-    gen(long)  # warm-up
-    return (timed(lambda: gen(long), 3) - timed(lambda: gen(short), 3)) / (long - short) * 1e3
 
 
 def offline_seconds(engine, prompts, out_lens) -> float:
@@ -91,7 +76,7 @@ def bench_8b(rep: Reporter, tokenizer: str, num_requests: int, offline: bool = T
         started = time.perf_counter()
         engine = make_engine(str(CONFIG), tokenizer, tp)
         ready = time.perf_counter() - started
-        results[tp] = {"decode_ms": decode_ms(engine), "ready_s": ready,
+        results[tp] = {"decode_ms": decode_ms_per_token(engine), "ready_s": ready,
                        "offline_s": offline_seconds(engine, prompts, out_lens) if offline else None}
         close(engine)
     one, two = results[1], results[2]
@@ -119,7 +104,7 @@ def bench_70b(rep: Reporter, tokenizer: str, num_requests: int, workdir: Path) -
     engine = make_engine(str(config_path), tokenizer, 2)
     ready = time.perf_counter() - started
     weight_bytes = model_bytes(engine.model_config, torch.bfloat16)
-    ms = decode_ms(engine)
+    ms = decode_ms_per_token(engine)
     best_bw = max(bw["read_tb_s"], bw["copy_tb_s"]) * 1e12
     roofline_ms = weight_bytes / (2 * best_bw) * 1e3
     rep.emit({"bench": "gpu_tp_decode_bs1", "model": "llama-3.1-70b shape", "tp": 2, "ms_per_token": round(ms, 3),

@@ -24,16 +24,11 @@ from radixlm.srt.router import request_keys
 from radixlm.srt.router.proxy import Proxy, forward_headers
 from radixlm.srt.router.workers import Worker, WorkerPool, describe_error, error_message
 from radixlm.srt.server.errors import error_response
-from radixlm.srt.server.guard import bearer_token
+from radixlm.srt.server.guard import OPEN_PATHS, bearer_token, run_with_body_cap
 
-OPEN_PATHS = {"/health"}
 _ANY_WORKER_GET = ("/v1/models", "/v1/models/{model_id:path}", "/get_model_info", "/health_generate")
 _ANY_WORKER_POST = ("/tokenize", "/v1/tokenize")
 _GATHER_TIMEOUT_S = 5.0
-
-
-class _BodyTooLarge(Exception):
-    pass
 
 
 class RouterGuard:
@@ -58,27 +53,7 @@ class RouterGuard:
             if token is None or not secrets.compare_digest(token, self.api_key):
                 return await error_response(401, "missing or wrong API key (Authorization: Bearer "
                                             "<key>)")(scope, receive, send)
-        received = 0
-        started = False
-
-        async def counting_receive() -> Any:  # a chunked body has no content-length to check
-            nonlocal received
-            message = await receive()
-            received += len(message.get("body", b""))
-            if received > self.max_bytes:
-                raise _BodyTooLarge()
-            return message
-
-        async def tracking_send(message: Any) -> None:
-            nonlocal started
-            started = started or message["type"] == "http.response.start"
-            await send(message)
-
-        try:
-            await self.app(scope, counting_receive, tracking_send)
-        except _BodyTooLarge:
-            if not started:
-                await too_large(scope, receive, send)
+        await run_with_body_cap(self.app, scope, receive, send, self.max_bytes, too_large)
 
 
 class ResponseOwners:

@@ -22,6 +22,32 @@ class _BodyTooLarge(Exception):
     pass
 
 
+async def run_with_body_cap(app: Any, scope: Any, receive: Any, send: Any, max_bytes: int, refuse: Any) -> None:
+    """Runs `app`, refusing with the ASGI app `refuse` (413) once the body passes `max_bytes`
+    (a chunked body has no content-length to check first), unless the answer has started."""
+    received = 0
+    started = False
+
+    async def counting_receive() -> Any:
+        nonlocal received
+        message = await receive()
+        received += len(message.get("body", b""))
+        if received > max_bytes:
+            raise _BodyTooLarge()
+        return message
+
+    async def tracking_send(message: Any) -> None:
+        nonlocal started
+        started = started or message["type"] == "http.response.start"
+        await send(message)
+
+    try:
+        await app(scope, counting_receive, tracking_send)
+    except _BodyTooLarge:
+        if not started:
+            await refuse(scope, receive, send)
+
+
 def bearer_token(authorization: bytes) -> bytes | None:
     """The token of an `Authorization: Bearer <token>` header; the scheme is case-insensitive
     (RFC 9110), so `bearer` is accepted as clients send it."""
@@ -102,25 +128,5 @@ class Guard:
         refusal = self._check(scope, dict(scope["headers"]))
         if refusal is not None:
             return await refusal(scope, receive, send)
-        received = 0
-        started = False
-
-        async def counting_receive() -> Any:  # a chunked body has no content-length to check
-            nonlocal received
-            message = await receive()
-            received += len(message.get("body", b""))
-            if received > self.max_bytes:
-                raise _BodyTooLarge()
-            return message
-
-        async def tracking_send(message: Any) -> None:
-            nonlocal started
-            started = started or message["type"] == "http.response.start"
-            await send(message)
-
-        try:
-            await self.app(scope, counting_receive, tracking_send)
-        except _BodyTooLarge:
-            if not started:
-                await self._refuse("body_too_large", 413, f"request body over {self.max_bytes} bytes "
-                                   "(--max-request-bytes)")(scope, receive, send)
+        await run_with_body_cap(self.app, scope, receive, send, self.max_bytes, self._refuse(
+            "body_too_large", 413, f"request body over {self.max_bytes} bytes (--max-request-bytes)"))
