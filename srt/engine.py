@@ -47,7 +47,7 @@ class Engine:
                 self.scheduler.engine.runner.step_sender.start(self.scheduler.req_table.dirty_from)
         except BaseException:
             if self._ranks:
-                self._ranks.stop()
+                self._ranks.stop(grace_s=0)
             raise
         self.intake = Intake(self.tokenizer, self.model_config.vocab_size, self.scheduler.context_len)
 
@@ -100,9 +100,9 @@ class Engine:
             from radixlm.srt.executor import parallel
 
             self.scheduler.engine.runner.step_sender.stop()
+            parallel.shutdown()  # the other ranks tear down with it, then exit
             self._ranks.stop()
             self._ranks = None
-            parallel.shutdown()
         self.scheduler = None  # frees the model and KV pool
         gc.collect()  # CUDA graphs and backends hold reference cycles; free their memory now
         if torch.cuda.is_available():

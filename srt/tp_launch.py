@@ -70,7 +70,11 @@ class LocalRanks:
 
         _wait_ready(self._ready, self.children, set(self._names))
 
-    def stop(self) -> None:
+    def stop(self, grace_s: float = 10.0) -> None:
+        """Waits for the ranks to exit (rank 0 told them to), then stops any left."""
+        deadline = time.monotonic() + grace_s
+        for proc in self.children.procs.values():
+            proc.join(max(0.0, deadline - time.monotonic()))
         self._ready.close()
         self._ctx.term()
         self.children.stop()

@@ -15,6 +15,7 @@ from __future__ import annotations
 import datetime
 import logging
 import os
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -114,11 +115,25 @@ def current() -> TensorParallel:
     return _CURRENT
 
 
+_DESTROY_TIMEOUT_S = 10.0
+
+
 def shutdown() -> None:
-    """Leaves the process group (an Engine shutting down; a new one may form another)."""
+    """Leaves the process group; every rank calls it when rank 0 stops them (an Engine shutting
+    down; a new one may form another group). NCCL's teardown can wait on a peer that is gone, so
+    it gets a bounded wait in a thread, and a warning instead of a hang."""
     global _CURRENT
     if dist.is_initialized():
-        dist.destroy_process_group()
+        done = threading.Event()
+
+        def destroy() -> None:
+            dist.destroy_process_group()
+            done.set()
+
+        threading.Thread(target=destroy, name="tp-destroy", daemon=True).start()
+        if not done.wait(_DESTROY_TIMEOUT_S):
+            logger.warning("tensor parallel: the process group did not tear down within %.0fs; left as it is",
+                           _DESTROY_TIMEOUT_S)
     _CURRENT = TensorParallel()
     _ONE_SHOT.clear()
 

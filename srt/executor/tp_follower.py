@@ -77,12 +77,14 @@ def _start(args: ServerArgs, rank: int, local_rank: int, dist_addr: str):
 
 
 def follow(runner, receiver) -> None:
+    from radixlm.srt.executor import parallel
     from radixlm.srt.executor.step_broadcast import Kind
 
     while True:
         kind, batch = receiver.receive()
         if kind is Kind.STOP:
             logger.info("rank 0 stopped; exiting")
+            parallel.shutdown()  # with rank 0, which tears its side down now
             return
         if kind is Kind.FORWARD:
             runner.forward(batch)
