@@ -35,7 +35,7 @@ def test_ctrl_c_in_the_quickstart_is_one_line_and_stops_the_server():
             try:
                 with open(f"/proc/{pid}/cmdline", "rb") as f:
                     server_pid = int(pid) if b"--port" in f.read() else server_pid
-            except FileNotFoundError:
+            except (FileNotFoundError, ProcessLookupError):  # it exited between pgrep and the read
                 pass
         time.sleep(0.2)
     time.sleep(3)  # the server is loading
