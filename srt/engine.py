@@ -48,6 +48,7 @@ class Engine:
         except BaseException:
             if self._ranks:
                 self._ranks.stop(grace_s=0)
+                parallel.shutdown()
             raise
         self.intake = Intake(self.tokenizer, self.model_config.vocab_size, self.scheduler.context_len)
 

@@ -160,6 +160,26 @@ def test_family_matches_hf(kind: str, tokenizer, tmp_path: Path) -> None:
         engine.shutdown()
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["qwen2", "gemma2", "phi3", "mixtral"])
+def test_family_split_over_two_ranks_matches_hf(kind: str, tokenizer, tmp_path: Path) -> None:
+    """Tensor parallelism (2 ranks, gloo) per checkpoint layout: q/k/v biases and windows
+    (Qwen2), soft-caps, sandwich norms and scaled embeddings (Gemma 2), fused qkv and gate_up
+    tensors cut per rank (Phi-3), experts split by their columns (Mixtral)."""
+    model = _build(kind, tokenizer, tmp_path)
+    engine = _engine(tmp_path, tp_size=2)
+    try:
+        ids = tokenizer.encode(PROMPTS[1], add_special_tokens=False)
+        out = engine.generate(input_ids=ids, sampling_params={"max_new_tokens": 0}, return_logprob=True,
+                              logprob_start_len=0)
+        ours = torch.tensor([lp[0] for lp in out["meta_info"]["input_token_logprobs"][1:]])
+        assert (ours - _hf_logprobs(model, ids)).abs().max().item() <= LOGPROB_TOL
+        params = {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True}
+        assert engine.generate(input_ids=ids, sampling_params=params)["output_ids"] == _hf_greedy(model, ids)
+    finally:
+        engine.shutdown()
+
+
 @pytest.mark.parametrize("kind", ["mistral", "gemma2"])
 def test_windows_with_pages_of_four(kind: str, tokenizer, tmp_path: Path) -> None:
     """Paged KV (pages of 4 slots, windows not page-aligned at 16 + prompt offsets) gives HF's greedy."""

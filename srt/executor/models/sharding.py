@@ -83,14 +83,15 @@ class ShardPlan:
         q_rows, kv_rows = (q[0] * d, q[1] * d), (kv[0] * d, kv[1] * d)
         if name.endswith(("embed_tokens.weight", "lm_head.weight")):
             return [(0, *self.vocab)]
-        if name.endswith(("q_proj.weight", "q_proj.bias")):
-            return [(0, *q_rows)]
-        if name.endswith(("k_proj.weight", "k_proj.bias", "v_proj.weight", "v_proj.bias")):
-            return [(0, *kv_rows)]
+        # Fused tensors first: "qkv_proj.weight" also ends with "v_proj.weight".
         if name.endswith(("qkv_proj.weight", "qkv_proj.bias")):  # Phi-3: q|k|v rows in one tensor
             q_total, kv_total = self.num_heads * d, self.num_kv_heads * d
             return [(0, *q_rows), (0, q_total + kv_rows[0], q_total + kv_rows[1]),
                     (0, q_total + kv_total + kv_rows[0], q_total + kv_total + kv_rows[1])]
+        if name.endswith(("q_proj.weight", "q_proj.bias")):
+            return [(0, *q_rows)]
+        if name.endswith(("k_proj.weight", "k_proj.bias", "v_proj.weight", "v_proj.bias")):
+            return [(0, *kv_rows)]
         if name.endswith("o_proj.weight"):
             return [(1, *q_rows)]
         if name.endswith(("o_proj.bias", "down_proj.bias")):
@@ -100,11 +101,11 @@ class ShardPlan:
             inter = self.moe_intermediate
             return [(1, *inter)] if expert.group(1) in ("down_proj", "w2") else [(0, *inter)]
         inter = self.intermediate
-        if name.endswith(("gate_proj.weight", "up_proj.weight")):
-            return [(0, *inter)]
-        if name.endswith("gate_up_proj.weight"):  # Phi-3: gate|up rows in one tensor
+        if name.endswith("gate_up_proj.weight"):  # Phi-3: gate|up rows in one tensor ("up_proj.weight" too)
             total = self.intermediate_size
             return [(0, *inter), (0, total + inter[0], total + inter[1])]
+        if name.endswith(("gate_proj.weight", "up_proj.weight")):
+            return [(0, *inter)]
         if name.endswith("down_proj.weight"):
             return [(1, *inter)]
         return None
