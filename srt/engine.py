@@ -32,6 +32,7 @@ class Engine:
         args = self.server_args
         # tp_size > 1: this process is rank 0; the other ranks are child processes (tp_launch.py).
         self._ranks = LocalRanks(args) if args.tp_size > 1 else None
+        self._threads = torch.get_num_threads()  # a CPU rank takes its share of the cores; given back after
         try:
             device = parallel.prepare_rank(args, 0)
             loaded = load_model(args.model_path, dtype=args.resolved_dtype(), load_format=args.load_format,
@@ -49,6 +50,7 @@ class Engine:
             if self._ranks:
                 self._ranks.stop(grace_s=0)
                 parallel.shutdown()
+                torch.set_num_threads(self._threads)
             raise
         self.intake = Intake(self.tokenizer, self.model_config.vocab_size, self.scheduler.context_len)
 
@@ -104,6 +106,7 @@ class Engine:
             parallel.shutdown()  # the other ranks tear down with it, then exit
             self._ranks.stop()
             self._ranks = None
+            torch.set_num_threads(self._threads)
         self.scheduler = None  # frees the model and KV pool
         gc.collect()  # CUDA graphs and backends hold reference cycles; free their memory now
         if torch.cuda.is_available():

@@ -123,6 +123,28 @@ def test_followers_tables_match_rank0s_rows_whatever_the_policy_wrote():
     assert 0 < sent < 400 * 20  # new entries only, not whole rows every step
 
 
+@pytest.mark.slow
+def test_an_engine_over_two_ranks_speculates_as_one_rank_decodes(engine):
+    """Engine(tp_size=2) (its other rank a child process) with n-gram speculation on pages of 4:
+    rejected drafts' slots are freed and their table positions written again, and the other
+    rank's table follows; greedy outputs equal the plain one-rank Engine's."""
+    from radixlm.srt import Engine
+
+    doc = "Name: Alice Smith. Age: 34. City: Paris. Job: engineer. " * 3
+    prompts = [doc + "\nRepeat the record exactly:\n", "def add(a, b):\n    return a + b\n\ndef add(a, b):\n"]
+    params = {"max_new_tokens": 40, "temperature": 0}
+    expected = [o["output_ids"] for o in engine.generate(prompts, params)]
+    tp2 = Engine(tp_size=2, max_total_tokens=8192, speculative_algorithm="ngram", page_size=4)
+    try:
+        outs = tp2.generate(prompts, params)
+        assert [o["output_ids"] for o in outs] == expected
+        assert all(o["meta_info"]["spec_verify_ct"] < 40 for o in outs)  # drafts were accepted
+        tp2.flush_cache()
+        assert tp2.scheduler.kv_stats()["leaked"] == 0
+    finally:
+        tp2.shutdown()
+
+
 def _generate(base_url: str, text, **params) -> list[dict]:
     body = {"text": text, "sampling_params": {"max_new_tokens": 24, "temperature": 0, **params}}
     out = httpx.post(f"{base_url}/generate", json=body, timeout=300).json()
