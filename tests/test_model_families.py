@@ -161,11 +161,12 @@ def test_family_matches_hf(kind: str, tokenizer, tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["qwen2", "gemma2", "phi3", "mixtral"])
+@pytest.mark.parametrize("kind", ["qwen2", "gemma2", "gemma3", "phi3", "mixtral", "qwen3_moe"])
 def test_family_split_over_two_ranks_matches_hf(kind: str, tokenizer, tmp_path: Path) -> None:
     """Tensor parallelism (2 ranks, gloo) per checkpoint layout: q/k/v biases and windows
-    (Qwen2), soft-caps, sandwich norms and scaled embeddings (Gemma 2), fused qkv and gate_up
-    tensors cut per rank (Phi-3), experts split by their columns (Mixtral)."""
+    (Qwen2), soft-caps, sandwich norms and scaled embeddings (Gemma 2), per-head q/k norms and
+    two rope tables (Gemma 3), fused qkv and gate_up tensors cut per rank (Phi-3), experts split
+    by their columns (Mixtral; Qwen3-MoE beside a dense layer)."""
     model = _build(kind, tokenizer, tmp_path)
     engine = _engine(tmp_path, tp_size=2)
     try:
