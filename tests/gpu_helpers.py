@@ -67,3 +67,21 @@ def assert_same_greedy(reference: list[dict], other: list[dict]) -> None:
         gap = top2_gap(ref, pos)
         assert gap < NEAR_TIE, f"outputs diverge at token {pos} where the reference margin is {gap:.3f}"
     assert exact >= len(reference) // 2, f"only {exact}/{len(reference)} outputs agree exactly"
+
+
+def cuda_batch(mode, rows, prefix_lens, extend_lens, out_slots):
+    """A ForwardBatch on the GPU for attention-level tests: request `rows` extend their cached
+    `prefix_lens` by `extend_lens` tokens whose K/V go to `out_slots`; every row keeps logits."""
+    import torch
+
+    from radixlm.srt.executor.forward_batch import ForwardBatch
+
+    seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens)]
+    positions = [p + i for p, e in zip(prefix_lens, extend_lens) for i in range(e)]
+    dev = torch.device("cuda")
+    return ForwardBatch(
+        mode=mode, input_ids=torch.zeros(len(positions), dtype=torch.int64, device=dev),
+        positions=torch.tensor(positions, device=dev), out_cache_loc=torch.tensor(out_slots, device=dev),
+        req_pool_indices=torch.tensor(rows, device=dev), req_pool_indices_cpu=list(rows),
+        seq_lens=torch.tensor(seq_lens, device=dev), seq_lens_cpu=seq_lens, prefix_lens_cpu=list(prefix_lens),
+        extend_lens_cpu=list(extend_lens), logit_rows=torch.arange(len(positions), device=dev))

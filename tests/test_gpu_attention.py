@@ -7,10 +7,11 @@ import math
 import pytest
 import torch
 
-from radixlm.srt.executor.forward_batch import ForwardBatch, ForwardMode
+from radixlm.srt.executor.forward_batch import ForwardMode
 from radixlm.srt.executor.mem_pool import KVPool
 from radixlm.srt.scheduler.kv_memory import PageAllocator
 from radixlm.srt.executor.models.ops import TorchOps
+from gpu_helpers import cuda_batch
 
 pytestmark = pytest.mark.gpu
 
@@ -29,18 +30,6 @@ def _setup(page_size: int):
     flash = FlashInferBackend(pool, table, page_size, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, scale, DTYPE)
     native = TorchNativeBackend(pool, table, scale)
     return alloc, pool, table, flash, native
-
-
-def _batch(mode, rows, prefix_lens, extend_lens, out_slots, table) -> ForwardBatch:
-    seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens)]
-    positions = [p + i for p, e in zip(prefix_lens, extend_lens) for i in range(e)]
-    dev = torch.device("cuda")
-    return ForwardBatch(
-        mode=mode, input_ids=torch.zeros(len(positions), dtype=torch.int64, device=dev),
-        positions=torch.tensor(positions, device=dev), out_cache_loc=torch.tensor(out_slots, device=dev),
-        req_pool_indices=torch.tensor(rows, device=dev), req_pool_indices_cpu=list(rows), seq_lens=torch.tensor(seq_lens, device=dev),
-        seq_lens_cpu=seq_lens, prefix_lens_cpu=list(prefix_lens), extend_lens_cpu=list(extend_lens),
-        logit_rows=torch.arange(len(positions), device=dev))
 
 
 def _fill_prefixes(alloc, pool, table, rows, prefix_lens, gen):
@@ -87,12 +76,12 @@ def test_flashinfer_matches_torch_native_on_extend_and_decode(page_size):
     extend_lens = [17, 64, 1, 5, 700]
     _fill_prefixes(alloc, pool, table, rows, prefix_lens, gen)
     slots = _new_slots(alloc, table, rows, prefix_lens, extend_lens)
-    _compare(flash, native, _batch(ForwardMode.EXTEND, rows, prefix_lens, extend_lens, slots, table), gen)
+    _compare(flash, native, cuda_batch(ForwardMode.EXTEND, rows, prefix_lens, extend_lens, slots), gen)
     # Decode steps on top of what the extend wrote, lengths crossing page boundaries.
     seq = [p + e for p, e in zip(prefix_lens, extend_lens)]
     for _ in range(3):
         slots = _new_slots(alloc, table, rows, seq, [1] * len(rows))
-        _compare(flash, native, _batch(ForwardMode.DECODE, rows, seq, [1] * len(rows), slots, table), gen)
+        _compare(flash, native, cuda_batch(ForwardMode.DECODE, rows, seq, [1] * len(rows), slots), gen)
         seq = [s + 1 for s in seq]
 
 

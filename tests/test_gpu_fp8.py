@@ -10,8 +10,8 @@ import pytest
 import torch
 from torch import nn
 
-from gpu_helpers import assert_same_greedy, llama3_tokenizer_path, small_llama_config
-from radixlm.srt.executor.forward_batch import ForwardBatch, ForwardMode
+from gpu_helpers import assert_same_greedy, cuda_batch, llama3_tokenizer_path, small_llama_config
+from radixlm.srt.executor.forward_batch import ForwardMode
 from radixlm.srt.executor.mem_pool import KVPool, read_kv, to_fp8
 from radixlm.srt.executor.quantization.fp8 import Fp8Linear, quantize_per_token, quantize_per_token_torch
 from radixlm.srt.scheduler.kv_memory import PageAllocator
@@ -121,18 +121,6 @@ def _setup(page_size: int):
     return alloc, pool, table, flash, native
 
 
-def _batch(mode, rows, prefix_lens, extend_lens, out_slots) -> ForwardBatch:
-    seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens)]
-    positions = [p + i for p, e in zip(prefix_lens, extend_lens) for i in range(e)]
-    dev = torch.device("cuda")
-    return ForwardBatch(
-        mode=mode, input_ids=torch.zeros(len(positions), dtype=torch.int64, device=dev),
-        positions=torch.tensor(positions, device=dev), out_cache_loc=torch.tensor(out_slots, device=dev),
-        req_pool_indices=torch.tensor(rows, device=dev), req_pool_indices_cpu=list(rows),
-        seq_lens=torch.tensor(seq_lens, device=dev), seq_lens_cpu=seq_lens, prefix_lens_cpu=list(prefix_lens),
-        extend_lens_cpu=list(extend_lens), logit_rows=torch.arange(len(positions), device=dev))
-
-
 def _fill(alloc, pool, table, rows, prefix_lens, extend_lens, gen):
     """Random K/V stored (quantized) for each cached prefix; slots for the new tokens."""
     out = []
@@ -159,7 +147,7 @@ def test_flashinfer_reads_fp8_kv_like_torch_native(page_size, case):
     else:
         prefix_lens, extend_lens, mode = [0, 17, 300, 64], [9, 40, 1, 128], ForwardMode.EXTEND
     out_slots = _fill(alloc, pool, table, rows, prefix_lens, extend_lens, gen)
-    batch = _batch(mode, rows, prefix_lens, extend_lens, out_slots)
+    batch = cuda_batch(mode, rows, prefix_lens, extend_lens, out_slots)
     total = sum(extend_lens)
     q = torch.randn(total, NUM_HEADS, HEAD_DIM, generator=gen, device="cuda").to(DTYPE)
     k = torch.randn(total, NUM_KV_HEADS, HEAD_DIM, generator=gen, device="cuda").to(DTYPE)
@@ -189,7 +177,7 @@ def test_flashinfer_fp8_kv_with_scales():
                                   cascade=False)
         gen.manual_seed(7)
         out_slots = _fill(alloc, pool, table, [0, 1], [100, 300], [1, 1], gen)
-        batch = _batch(ForwardMode.DECODE, [0, 1], [100, 300], [1, 1], out_slots)
+        batch = cuda_batch(ForwardMode.DECODE, [0, 1], [100, 300], [1, 1], out_slots)
         q = torch.randn(2, NUM_HEADS, HEAD_DIM, generator=gen, device="cuda").to(DTYPE)
         kv = torch.randn(2, 2, NUM_KV_HEADS, HEAD_DIM, generator=gen, device="cuda").to(DTYPE)
         flash.plan(batch)
