@@ -16,7 +16,8 @@ from radixlm.srt.executor.attention.layer_spec import LayerAttention
 from radixlm.srt.executor.forward_batch import ForwardMode
 from radixlm.srt.executor.mem_pool import KVPool
 from radixlm.srt.scheduler.kv_memory import PageAllocator
-from test_gpu_attention import _batch, _new_slots
+from gpu_helpers import cuda_batch
+from test_gpu_attention import _new_slots
 
 pytestmark = pytest.mark.gpu
 
@@ -71,11 +72,11 @@ def test_flashinfer_windows_and_softcap_match_torch_native(page_size):
     rows, prefix_lens, extend_lens = [3, 0, 7, 5], [0, 300, 37, 129], [200, 64, 1, 5]
     _fill(alloc, pool, table, rows, prefix_lens, gen)
     slots = _new_slots(alloc, table, rows, prefix_lens, extend_lens)
-    _compare_layers(flash, native, pool, _batch(ForwardMode.EXTEND, rows, prefix_lens, extend_lens, slots, table), gen)
+    _compare_layers(flash, native, pool, cuda_batch(ForwardMode.EXTEND, rows, prefix_lens, extend_lens, slots), gen)
     seq = [p + e for p, e in zip(prefix_lens, extend_lens)]
     for _ in range(3):  # decode steps, every request past the window
         slots = _new_slots(alloc, table, rows, seq, [1] * len(rows))
-        _compare_layers(flash, native, pool, _batch(ForwardMode.DECODE, rows, seq, [1] * len(rows), slots, table), gen)
+        _compare_layers(flash, native, pool, cuda_batch(ForwardMode.DECODE, rows, seq, [1] * len(rows), slots), gen)
         seq = [s + 1 for s in seq]
 
 
