@@ -92,20 +92,19 @@ def bench_decode(make_engine, rep: Reporter) -> None:
     bw = measure_bandwidth()
     best_bw = max(bw.values()) * 1e12
     from radixlm.srt.executor.quantization import fp8 as fp8_module
-    from radixlm.srt.executor.quantization.fp8_triton import fp8_skinny_linear
 
     ms = {}
-    default_skinny = fp8_module._triton_skinny
-    # fp8: the default dispatch; fp8_skinny: batches of <= 16 rows through the Triton kernel
-    # (RADIXLM_FP8_SKINNY=1), captured into the graphs as such.
-    for name, kwargs, skinny in (("bf16", {}, default_skinny), ("fp8", {"quantization": "fp8"}, default_skinny),
-                                 ("fp8_skinny", {"quantization": "fp8"}, fp8_skinny_linear)):
-        fp8_module._triton_skinny = skinny
+    default_gemv = fp8_module._fp8_gemv
+    # fp8: the default dispatch (fp8_gemv up to GEMV_MAX_ROWS rows); fp8_scaled_mm: every batch
+    # through quantize + torch._scaled_mm, captured into the graphs as such.
+    for name, kwargs, gemv in (("bf16", {}, default_gemv), ("fp8", {"quantization": "fp8"}, default_gemv),
+                               ("fp8_scaled_mm", {"quantization": "fp8"}, None)):
+        fp8_module._fp8_gemv = gemv
         try:
             engine = make_engine(max_running_requests=8, cuda_graph_max_bs=8, **kwargs)
             ms[name] = decode_ms_per_token(engine)
         finally:
-            fp8_module._triton_skinny = default_skinny
+            fp8_module._fp8_gemv = default_gemv
         config = engine.model_config
         free_engine(engine)
     fp8_bytes = model_bytes(config, torch.bfloat16, "fp8")
@@ -113,9 +112,8 @@ def bench_decode(make_engine, rep: Reporter) -> None:
     rep.emit({"bench": "gpu_fp8_decode_bs1", "prompt_tokens": 128, "ms_per_token": round(ms["fp8"], 3),
               "tok_s": round(1e3 / ms["fp8"], 1), "baseline": "bf16 weights, batch-1 decode, measured in this run",
               "bf16_ms_per_token": round(ms["bf16"], 3), "speedup_vs_bf16": round(ms["bf16"] / ms["fp8"], 3),
-              "fp8_default_path": "Triton kernel <= 16 rows" if default_skinny else "torch._scaled_mm",
-              "fp8_skinny_kernel_ms_per_token": round(ms["fp8_skinny"], 3),
-              "fp8_skinny_fraction_of_fp8_roofline": round(fp8_bytes / best_bw * 1e3 / ms["fp8_skinny"], 3),
+              "fp8_default_path": "fp8_gemv (Triton) <= 16 rows" if default_gemv else "torch._scaled_mm",
+              "fp8_scaled_mm_ms_per_token": round(ms["fp8_scaled_mm"], 3),
               "fp8_weight_gb": round(fp8_bytes / 1e9, 3), "bandwidth_tb_s": {k: round(v, 3) for k, v in bw.items()},
               "fp8_roofline_ms": round(roofline_ms, 3), "fraction_of_fp8_roofline": round(roofline_ms / ms["fp8"], 3),
               "goal": "<= 2.4 ms/token", "vllm_fp8_recorded": VLLM_FP8_RECORDED,

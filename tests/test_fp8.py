@@ -187,6 +187,38 @@ def test_fp8_linear_keeps_leading_dims_and_zero_rows():
     assert out[0, 1].abs().max() == 0
 
 
+GEMV_CHECK = """
+import torch
+from radixlm.srt.executor.quantization.fp8 import quantize_weight
+from radixlm.srt.executor.quantization.fp8_gemv import GemvConfig, fp8_gemv
+torch.manual_seed(0)
+worst = 0.0
+for rows, n, k, config in [(1, 64, 512, GemvConfig(32, 256, 1, 4, 2)), (3, 96, 512, GemvConfig(32, 128, 2, 4, 2)),
+                           (5, 70, 300, GemvConfig(32, 128, 2, 4, 2)), (16, 64, 1024, GemvConfig(16, 256, 4, 4, 2))]:
+    q, s = quantize_weight(torch.randn(n, k))
+    x = torch.randn(rows, k).half()
+    got = fp8_gemv(x, q, s.reshape(1, -1), torch.float16, config).float()
+    want = x.float() @ (q.float() * s[:, None]).t()
+    worst = max(worst, ((got - want).norm() / want.norm()).item())
+print(worst)
+"""
+
+
+def test_fp8_gemv_kernel_in_the_triton_interpreter():
+    """The decode-sized FP8 kernel (its GPU speed is benchmarks/bench_gpu_fp8_gemv.py's) computes
+    x @ dequantized(W)^T: ragged N and K, split-K or not, in Triton's CPU interpreter. fp16, since
+    the interpreter multiplies bf16 as raw bits."""
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    done = subprocess.run([sys.executable, "-c", GEMV_CHECK], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert float(done.stdout.strip().splitlines()[-1]) < 2e-3  # fp16 output rounding
+
+
 def test_wrong_scales_are_caught_on_random_matrices():
     lin = _linear(64, 64)
     x = torch.randn(8, 64)

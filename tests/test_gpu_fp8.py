@@ -35,35 +35,40 @@ def test_fp8_linear_cuda_matches_dequantized_reference(rows):
     x = torch.randn(rows, 512, device="cuda", dtype=DTYPE)
     got = q(x)
     assert got.dtype == DTYPE and got.shape == (rows, 1536)
+    from radixlm.srt.executor.quantization.fp8 import GEMV_MAX_ROWS
+
     xq, xs = quantize_per_token_torch(x)
-    want = (xq.float() * xs) @ q.dequantized_weight().t() + lin.bias.float()
+    x_used = x.float() if rows <= GEMV_MAX_ROWS else xq.float() * xs  # fp8_gemv leaves x unquantized
+    want = x_used @ q.dequantized_weight().t() + lin.bias.float()
     torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2)
     exact = lin(x).float()
     assert ((got.float() - exact).norm() / exact.norm()).item() < 0.05
 
 
 @pytest.mark.parametrize("rows", [1, 2, 5, 16, 17])
-@pytest.mark.parametrize("shape", [(6144, 4096), (4096, 14336), (960, 576)])
-def test_skinny_kernel_equals_scaled_mm_path(rows, shape):
-    """Decode-sized batches (<= 16 rows) run the Triton kernel; more rows, torch._scaled_mm:
-    both quantize x per token and compute the same products."""
-    from radixlm.srt.executor.quantization import fp8 as fp8_module
-
-    from radixlm.srt.executor.quantization.fp8_triton import SKINNY_MAX_ROWS, fp8_skinny_linear
+@pytest.mark.parametrize("shape", [(6144, 4096), (4096, 14336), (960, 576), (100, 200)])
+def test_decode_sized_batches_take_the_gemv_kernel(rows, shape):
+    """Up to GEMV_MAX_ROWS rows the module runs fp8_gemv (x unquantized: only the weight's own
+    rounding), beyond that quantize + torch._scaled_mm; every tile configuration of the kernel,
+    split-K or not, computes the same product."""
+    from radixlm.srt.executor.quantization.fp8 import GEMV_MAX_ROWS
+    from radixlm.srt.executor.quantization.fp8_gemv import GemvConfig, fp8_gemv
 
     n, k = shape
     torch.manual_seed(rows)
     q = Fp8Linear.from_linear(nn.Linear(k, n, bias=False, device="cuda", dtype=DTYPE))
     x = torch.randn(rows, k, device="cuda", dtype=DTYPE)
-    xq, xs = quantize_per_token_torch(x)
-    want = torch._scaled_mm(xq, q.weight.t(), scale_a=xs, scale_b=q.weight_scale, out_dtype=torch.float32)
-    outs = [q(x).float()]  # whichever path the module takes (the kernel only with RADIXLM_FP8_SKINNY=1)
-    if rows <= SKINNY_MAX_ROWS:
-        outs.append(fp8_skinny_linear(x, q.weight, q.weight_scale, DTYPE).float())
+    if rows <= GEMV_MAX_ROWS:
+        want = x.float() @ q.dequantized_weight().t()
+        outs = [q(x).float()] + [fp8_gemv(x, q.weight, q.weight_scale, DTYPE, GemvConfig(*c)).float()
+                                 for c in ((16, 128, 1, 4, 3), (64, 256, 2, 8, 4), (32, 128, 4, 4, 5))]
+    else:
+        xq, xs = quantize_per_token_torch(x)
+        want = torch._scaled_mm(xq, q.weight.t(), scale_a=xs, scale_b=q.weight_scale, out_dtype=torch.float32)
+        outs = [q(x).float()]
     for got in outs:
         rel = (got - want).norm() / want.norm()
-        assert rel < 5e-3, rel  # bf16 output rounding, and an x value moved by one e4m3 step here and there
-    assert fp8_module.Fp8Linear is Fp8Linear
+        assert rel < 5e-3, rel  # bf16 output rounding (and, for _scaled_mm, an x value moved by one e4m3 step)
 
 
 def test_fp8_linear_cuda_float16_model():

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 
 import torch
 from torch import nn
@@ -90,10 +89,10 @@ class Fp8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)
-        if x2.is_cuda and _triton_skinny is not None and x2.shape[0] <= _SKINNY_MAX_ROWS:
-            # Decode-sized batches: one Triton launch that quantizes x and streams the weights
-            # (cuBLAS's FP8 GEMM reads them at a fraction of the bandwidth for a few rows).
-            return self._finish(_triton_skinny(x2, self.weight, self.weight_scale, self.out_dtype), lead)
+        if x2.is_cuda and _fp8_gemv is not None and x2.shape[0] <= GEMV_MAX_ROWS and x2.dtype in _GEMV_DTYPES:
+            # Decode-sized batches: one Triton launch that streams the weights at HBM bandwidth
+            # with x unquantized (cuBLAS's FP8 GEMM reads them at a fraction of it for a few rows).
+            return self._finish(_fp8_gemv(x2, self.weight, self.weight_scale, self.out_dtype), lead)
         xq, x_scale = quantize_per_token(x2)
         if xq.is_cuda:
             out = torch._scaled_mm(xq, self.weight.t(), scale_a=x_scale, scale_b=self.weight_scale,
@@ -177,14 +176,14 @@ def fp8_weight_bytes(shapes: dict[str, tuple[int, ...]], dtype: torch.dtype) -> 
 
 def _load_triton():
     try:
-        from radixlm.srt.executor.quantization import fp8_triton
+        from radixlm.srt.executor.quantization import fp8_gemv, fp8_triton
     except ImportError:
-        return None, None, 0
-    # The decode-sized kernel is opt-in (RADIXLM_FP8_SKINNY=1): it matches _scaled_mm on the
-    # H200 but is slower as tuned (batch-1 decode 7.3 ms/token vs 5.2), so every batch goes
-    # through _scaled_mm by default.
-    skinny = fp8_triton.fp8_skinny_linear if os.environ.get("RADIXLM_FP8_SKINNY") == "1" else None
-    return fp8_triton.quantize_per_token_triton, skinny, fp8_triton.SKINNY_MAX_ROWS
+        return None, None
+    return fp8_triton.quantize_per_token_triton, fp8_gemv.fp8_gemv
 
 
-_triton_quant, _triton_skinny, _SKINNY_MAX_ROWS = _load_triton()
+_triton_quant, _fp8_gemv = _load_triton()
+# Up to this many rows fp8_gemv beats quantize + _scaled_mm on the H200
+# (benchmarks/bench_gpu_fp8_gemv.py); it multiplies bf16/fp16 activations only.
+GEMV_MAX_ROWS = 16
+_GEMV_DTYPES = (torch.bfloat16, torch.float16)
