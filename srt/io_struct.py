@@ -68,6 +68,7 @@ class ReqOutput:
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     stop: list[str] = dataclasses.field(default_factory=list)
+    stop_regex: list[str] = dataclasses.field(default_factory=list)
     no_stop_trim: bool = False
     # Logprobs as [logprob, token_id] pairs; top lists as lists of pairs (None where undefined).
     input_token_logprobs: list[list[Any]] | None = None

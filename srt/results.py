@@ -39,25 +39,12 @@ class Progress:
 def final_text(tokenizer: Any, output_ids: list[int], sp: SamplingParams,
                finish_reason: dict[str, Any] | None) -> str:
     """The whole output decoded as the server's detokenizer decodes it (the same class does the
-    work), trimmed at the stop that ended it."""
+    work, and it alone trims at the stop string or stop regex match that ended it)."""
     detok = IncrementalDetokenizer(tokenizer, skip_special_tokens=sp.skip_special_tokens,
                                    spaces_between_special_tokens=sp.spaces_between_special_tokens,
-                                   stop=sp.stop, no_stop_trim=sp.no_stop_trim)
-    return trim_at_stop(detok.feed(output_ids) + detok.finish(finish_reason), sp, finish_reason)
-
-
-def trim_at_stop(text: str, sp: SamplingParams, finish_reason: dict[str, Any] | None) -> str:
-    """`text` cut before the first occurrence of the string that stopped it, unless no_stop_trim.
-
-    The detokenizer already trims stop strings (it holds back anything that may become one);
-    a stop regex's match is known only once it matched, so it is cut here, from a whole output.
-    A stream has sent that text already and cannot take it back.
-    """
-    matched = (finish_reason or {}).get("matched")
-    if sp.no_stop_trim or not isinstance(matched, str) or not matched:
-        return text
-    cut = text.find(matched)
-    return text if cut < 0 else text[:cut]
+                                   stop=sp.stop, stop_regex=sp.stop_regex,
+                                   no_stop_trim=sp.no_stop_trim)
+    return detok.feed(output_ids) + detok.finish(finish_reason)
 
 
 def result(msg: TokenizedGenerateReq, progress: Progress, tokenizer: Any, text_in_logprobs: bool) -> dict[str, Any]:

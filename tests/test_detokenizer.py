@@ -9,6 +9,7 @@ import tempfile
 from typing import Any, Sequence
 
 import pytest
+import regex
 import zmq
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -171,6 +172,53 @@ def test_random_stop_strings_match_trimmed_full_decode(tok, data):
     deltas, full, matched = stream_until_stop(tok, ids, [decoy, stop])
     final = full[:full.find(matched)] if matched is not None else full
     assert_streamed_prefixes(deltas, final)
+
+
+def stream_until_regex(tok, ids: Sequence[int], patterns: list[str], no_stop_trim: bool = False):
+    """Plays the scheduler for stop regexes: one id per step, finishing at the first step whose
+    decoded output matches a pattern. Returns (deltas, the full decoded output, the match)."""
+    detok = IncrementalDetokenizer(tok, stop_regex=patterns, no_stop_trim=no_stop_trim)
+    deltas = []
+    for n in range(1, len(ids) + 1):
+        deltas.append(detok.feed(ids[n - 1:n]))
+        full = tok.decode(ids[:n], skip_special_tokens=True)
+        found = next((m for m in (regex.search(p, full) for p in patterns) if m), None)
+        if found is not None:
+            deltas.append(detok.finish({"type": "stop", "matched": found.group(0)}))
+            return deltas, full, found.group(0)
+    deltas.append(detok.finish(LENGTH))
+    return deltas, tok.decode(ids, skip_special_tokens=True), None
+
+
+@pytest.mark.parametrize("text, pattern, matched", [
+    ("Count: 5, 6, 7, 8", r" [7-9]", " 7"),
+    ("The answer is 42.\n\nUser: what next", r"\n\n\w+:", "\n\nUser:"),
+    ("Hello 😀 wörld 你好, naïve café — ok?", r"c\w+é", "café"),
+    ("total = 1234 units", r"(?<== )\d{3}", "123"),  # the lookbehind reaches into emitted text
+    ("x = 1 END_OF_ANSWER y", r"END_OF_\w+|never", "END_OF_AN"),
+])
+def test_stop_regex_match_is_never_streamed_and_trimmed(tok, text, pattern, matched):
+    ids = tok.encode(text, add_special_tokens=False)
+    deltas, full, found = stream_until_regex(tok, ids, [pattern])
+    assert found == matched
+    # What the client saw was at every step a prefix of the non-streamed text (cut at the match).
+    assert_streamed_prefixes(deltas, full[:full.find(found)])
+    kept, full, _ = stream_until_regex(tok, ids, [pattern], no_stop_trim=True)
+    assert_streamed_prefixes(kept, full)
+
+
+def test_text_that_can_no_longer_match_a_stop_regex_is_released(tok):
+    detok = IncrementalDetokenizer(tok, stop_regex=[r"\d+ units"])
+    seen = [detok.feed([i]) for i in tok.encode("about 12 apples and 7 units", add_special_tokens=False)]
+    assert "".join(seen[:4]) == "about "  # "about", " ", "1", "2": the digits may start a match
+    assert "".join(seen) == "about 12 apples and "  # " apples" ruled "12" out; "7 units" is held
+    assert detok.finish({"type": "stop", "matched": "7 units"}) == ""
+
+
+def test_a_stop_regex_that_times_out_holds_everything_until_finish(tok):
+    ids = tok.encode("a" * 40, add_special_tokens=False)
+    deltas = stream(tok, ids, stop_regex=[r"(a|aa)+b"])  # backtracks exponentially
+    assert deltas[:3] == ["", "", ""] and "".join(deltas) == "a" * 40
 
 
 def test_each_step_decodes_a_small_window(tok):

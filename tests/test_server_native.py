@@ -75,6 +75,20 @@ def test_stop_string_is_trimmed_unless_no_stop_trim(server):
     assert kept.json()["text"] == " 5, 6, 7"
 
 
+@pytest.mark.parametrize("no_stop_trim, text", [(False, " 5, 6,"), (True, " 5, 6, 7")])
+def test_stream_never_shows_a_trimmed_stop_regex_match(server, no_stop_trim, text):
+    body = {"text": "Count: 1, 2, 3, 4,", "sampling_params": {"temperature": 0, "max_new_tokens": 16,
+                                                           "stop_regex": r" [7-9]", "no_stop_trim": no_stop_trim}}
+    whole = _post(server, "/generate", body).json()
+    with server.client() as c, c.stream("POST", "/generate", json={**body, "stream": True}) as resp:
+        lines = [line for line in resp.iter_lines() if line]
+    assert lines[-1] == "data: [DONE]"
+    chunks = [json.loads(line.removeprefix("data: ")) for line in lines[:-1]]
+    assert whole["text"] == chunks[-1]["text"] == text
+    # Every chunk's text so far is a prefix of the final text: the match was never sent.
+    assert all(text.startswith(c["text"]) for c in chunks)
+
+
 def test_n_samples_share_the_prompt(server):
     out = _post(server, "/generate", {"text": "Pick a random fruit:", "sampling_params": {
         "temperature": 1.0, "max_new_tokens": 6, "n": 3, "seed": 5}}).json()

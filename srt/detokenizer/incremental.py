@@ -2,9 +2,9 @@
 
 Invariant: the concatenation of everything `feed` and `finish` return equals
 `tokenizer.decode(all_ids, skip_special_tokens=..., spaces_between_special_tokens=...)`, cut
-before the first occurrence of the stop string that ended the request (unless `no_stop_trim`).
-A streamed client never sees a partial character nor any piece of a stop string that will be
-trimmed.
+before the first occurrence of the stop string (or stop regex match) that ended the request
+(unless `no_stop_trim`). A streamed client never sees a partial character nor any piece of a
+stop string or stop regex match that will be trimmed.
 """
 
 from __future__ import annotations
@@ -12,10 +12,18 @@ from __future__ import annotations
 import logging
 from typing import Any, Sequence
 
+import regex
+
 logger = logging.getLogger(__name__)
 
 # What a UTF-8 decode with errors="replace" yields for a byte sequence cut short at the end.
 REPLACEMENT_CHAR = "\ufffd"
+# Emitted text kept as context for stop regexes, so a lookbehind, \b or ^ at the start of the
+# held text sees what precedes it (the held text itself is searched in full).
+_REGEX_CONTEXT_CHARS = 256
+# The scheduler's budget for one stop-regex search (scheduler/finish.py): a pattern may backtrack
+# exponentially and this process serves every request.
+_STOP_REGEX_TIMEOUT_S = 0.05
 
 
 class IncrementalDetokenizer:
@@ -37,6 +45,7 @@ class IncrementalDetokenizer:
         skip_special_tokens: bool = True,
         spaces_between_special_tokens: bool = True,
         stop: Sequence[str] = (),
+        stop_regex: Sequence[str] = (),
         no_stop_trim: bool = False,
     ) -> None:
         self._tokenizer = tokenizer
@@ -45,6 +54,7 @@ class IncrementalDetokenizer:
             "spaces_between_special_tokens": spaces_between_special_tokens,
         }
         self._stop = [s for s in stop if s]
+        self._stop_regex = [regex.compile(p) for p in stop_regex]
         self._no_stop_trim = no_stop_trim
         # Window of output ids: _ids[:_read_len] is context already emitted, decoded as _head_text.
         self._ids: list[int] = []
@@ -52,8 +62,10 @@ class IncrementalDetokenizer:
         self._head_text = ""
         # Chars of the window's new text already emitted early (those before a trailing U+FFFD).
         self._emitted_len = 0
-        # Complete text withheld because it may be (the start of) a stop string.
+        # Complete text withheld because it may be (the start of) a stop string or regex match.
         self._held = ""
+        self._regex_context = ""  # the emitted text's tail, see _REGEX_CONTEXT_CHARS
+        self._regex_timed_out = False
         self.finished = False
 
     def feed(self, new_ids: Sequence[int]) -> str:
@@ -71,9 +83,8 @@ class IncrementalDetokenizer:
         self._held = ""
         matched = (finish_reason or {}).get("matched")
         if isinstance(matched, str) and matched and not self._no_stop_trim:
-            # Emitted text never holds (part of) a request stop string, so the first occurrence
-            # in the whole output is the first one here. A stop regex's match can't be held back;
-            # if it was already streamed there is nothing left to cut.
+            # Emitted text never holds (part of) a request stop string or a possible start of a
+            # stop regex match, so the first occurrence in the whole output is the first one here.
             cut = text.find(matched)
             if cut >= 0:
                 text = text[:cut]
@@ -113,10 +124,20 @@ class IncrementalDetokenizer:
         return delta
 
     def _release(self, text: str) -> str:
-        """Passes text on, except a tail that is or may become a stop string to be trimmed."""
-        if not self._stop or self._no_stop_trim:
+        """Passes text on, except a tail that is or may become a stop string or regex match to be
+        trimmed."""
+        if self._no_stop_trim or not (self._stop or self._stop_regex):
             return text
         held = self._held + text
+        keep_from = min(self._stop_string_start(held), self._stop_regex_start(held))
+        self._held = held[keep_from:]
+        released = held[:keep_from]
+        if self._stop_regex:
+            self._regex_context = (self._regex_context + released)[-_REGEX_CONTEXT_CHARS:]
+        return released
+
+    def _stop_string_start(self, held: str) -> int:
+        """Where in `held` the first stop string, or a tail that may still complete one, starts."""
         keep_from = len(held)
         for stop in self._stop:
             found = held.find(stop)
@@ -127,5 +148,31 @@ class IncrementalDetokenizer:
                 if held.endswith(stop[:size]):
                     keep_from = min(keep_from, len(held) - size)
                     break
-        self._held = held[keep_from:]
-        return held[:keep_from]
+        return keep_from
+
+    def _stop_regex_start(self, held: str) -> int:
+        """Where in `held` the earliest stop regex match starts, counting a partial match (one
+        that reaches the end, so more text may complete it): a match is known, and trimmed,
+        only once complete, and streamed text can't be taken back."""
+        if not self._stop_regex:
+            return len(held)
+        if self._regex_timed_out:
+            return 0  # unknowable: hold everything back; finish() still trims it right
+        text, pos = self._regex_context + held, len(self._regex_context)
+        keep_from = len(text)
+        try:
+            for pattern in self._stop_regex:
+                found = pattern.search(text, pos, partial=True, timeout=_STOP_REGEX_TIMEOUT_S)
+                while found is not None:
+                    if found.partial or found.end() > found.start():  # a complete empty match trims nothing
+                        keep_from = min(keep_from, found.start())
+                    if found.partial or found.start() == pos:
+                        break
+                    # `regex` prefers a full match to a partial one that starts earlier: look
+                    # before it (in the text cut there, which may hold back a little too much).
+                    earlier = pattern.search(text, pos, found.start(), partial=True, timeout=_STOP_REGEX_TIMEOUT_S)
+                    found = earlier if earlier is not None and earlier.start() < found.start() else None
+        except TimeoutError:
+            self._regex_timed_out = True
+            return 0
+        return keep_from - pos

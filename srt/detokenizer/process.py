@@ -49,6 +49,7 @@ class DetokenizerManager:
                     skip_special_tokens=out.skip_special_tokens,
                     spaces_between_special_tokens=out.spaces_between_special_tokens,
                     stop=out.stop,
+                    stop_regex=out.stop_regex,
                     no_stop_trim=out.no_stop_trim,
                 )
                 self.states[out.rid] = state

@@ -138,7 +138,7 @@ class SchedulerLoop:
             cached_tokens=req.cached_tokens, spec_verify_ct=req.spec_verify_ct, spec_accepted=req.spec_accepted,
             skip_special_tokens=sp.skip_special_tokens,
             spaces_between_special_tokens=sp.spaces_between_special_tokens, stop=list(sp.stop),
-            no_stop_trim=sp.no_stop_trim,
+            stop_regex=list(sp.stop_regex), no_stop_trim=sp.no_stop_trim,
             input_token_logprobs=_pairs(req.input_token_logprobs[sent.input_logprobs:]) if want_lp else None,
             input_top_logprobs=_tops(req.input_top_logprobs[sent.input_logprobs:]) if want_lp else None,
             output_token_logprobs=_pairs(req.output_token_logprobs[sent.output_logprobs:]) if want_lp else None,

@@ -21,7 +21,7 @@ from radixlm.srt import io_struct
 from radixlm.srt.intake import Intake
 from radixlm.srt.io_struct import (AbortReq, BatchTextOut, ControlReply, ControlReq, ReqTextOutput,
                                    TokenizedGenerateReq)
-from radixlm.srt.results import LogprobRecord, Progress, result, trim_at_stop
+from radixlm.srt.results import LogprobRecord, Progress, result
 from radixlm.srt.sampling_params import SamplingParams
 from radixlm.srt.server.errors import Overloaded, ServerUnavailable
 from radixlm.srt.server.metrics import Metrics
@@ -224,10 +224,8 @@ class TokenizerManager:
         state.event.set()
 
     def _result(self, state: _ReqState) -> dict[str, Any]:
-        text = state.text
-        if state.finish_reason is not None and not state.msg.stream:
-            text = trim_at_stop(text, state.msg.sampling_params, state.finish_reason)
-        progress = Progress(text=text, output_ids=state.output_ids, cached_tokens=state.cached_tokens,
+        # The detokenizer trimmed stop strings and stop regex matches, streamed or not.
+        progress = Progress(text=state.text, output_ids=state.output_ids, cached_tokens=state.cached_tokens,
                             finish_reason=state.finish_reason, e2e_latency=time.perf_counter() - state.created,
                             logprobs=state.logprobs, spec_verify_ct=state.spec_verify_ct)
         return result(state.msg, progress, self.tokenizer, state.text_in_logprobs)
