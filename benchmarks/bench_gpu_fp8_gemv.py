@@ -64,12 +64,18 @@ def weights(n: int, k: int, copies: int):
     return bf16, [(q, s.reshape(1, -1).contiguous()) for q, s in fp8]
 
 
-def sweep_configs(n: int, k: int):
+def sweep_configs(rows: int, n: int, k: int):
     from radixlm.srt.executor.quantization.fp8_gemv import GemvConfig
 
-    for block_n, block_k, split_k, warps, stages in itertools.product((16, 32, 64), (128, 256, 512), (1, 2, 4, 8),
-                                                                       (4, 8), (3, 5)):
-        if k % (split_k * block_k) == 0 and not (block_n == 64 and block_k == 512):
+    if rows == 1:  # the multiply-add kernel: small tiles, many programs
+        tiles = ((4, 512), (4, 1024), (8, 256), (8, 512), (8, 1024), (16, 256), (16, 512), (16, 1024), (32, 256),
+                 (32, 512))
+        options = itertools.product(tiles, (1, 2, 4), (4, 8), (1, 3))
+    else:  # the tensor-core kernel
+        tiles = ((16, 128), (16, 256), (16, 512), (32, 128), (32, 256), (32, 512), (64, 128), (64, 256))
+        options = itertools.product(tiles, (1, 2, 4, 8), (4, 8), (3, 5))
+    for (block_n, block_k), split_k, warps, stages in options:
+        if k % (split_k * block_k) == 0:
             yield GemvConfig(block_n, block_k, split_k, warps, stages)
 
 
@@ -88,16 +94,16 @@ def bench_shape(rep: Reporter, name: str, n: int, k: int, rows: int, sweep: bool
     us = {"bf16": graph_time_us([lambda w=w: x @ w.t() for w in bf16]),
           "scaled": graph_time_us([lambda q=q, s=s: scaled(q, s) for q, s in fp8]),
           "gemv": graph_time_us([lambda q=q, s=s: fp8_gemv(x, q, s, torch.bfloat16) for q, s in fp8])}
-    shipped = gemv_config(n, k, _sm_count(0))
+    shipped = gemv_config(rows, n, k, _sm_count(0))
     line = {"bench": "gpu_fp8_gemv", "projection": name, "n": n, "k": k, "rows": rows,
             "gemv_us": round(us["gemv"], 2), "gemv_gb_s": round(n * k / us["gemv"] / 1e3, 1),
             "baseline": "cuBLAS bf16 GEMM on bf16 weights, measured in this run (L2 cold: cycling weight copies)",
             "bf16_us": round(us["bf16"], 2), "bf16_gb_s": round(2 * n * k / us["bf16"] / 1e3, 1),
             "scaled_mm_us": round(us["scaled"], 2), "speedup_vs_bf16": round(us["bf16"] / us["gemv"], 3),
             "speedup_vs_scaled_mm": round(us["scaled"] / us["gemv"], 3), "shipped_config": shipped.__dict__}
-    if sweep and rows == 1:  # batch-1 decode is what the tiles are tuned for (and compiles are slow)
+    if sweep and rows in (1, 8):  # one row: the multiply-add kernel; more: the tensor-core one
         results = []
-        for config in sweep_configs(n, k):
+        for config in sweep_configs(rows, n, k):
             try:
                 t = graph_time_us([lambda q=q, s=s: fp8_gemv(x, q, s, torch.bfloat16, config) for q, s in fp8],
                                   replays=10)
@@ -143,7 +149,7 @@ def bench_stack(rep: Reporter, bw: dict) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", default="1,8,16")
-    parser.add_argument("--sweep", action="store_true", help="also time a sweep of tile configurations at 1 row")
+    parser.add_argument("--sweep", action="store_true", help="also time a sweep of tile configurations at 1 and 8 rows")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     rep = Reporter(args.out, "python " + shlex.join(sys.argv))

@@ -194,7 +194,8 @@ from radixlm.srt.executor.quantization.fp8_gemv import GemvConfig, fp8_gemv
 torch.manual_seed(0)
 worst = 0.0
 for rows, n, k, config in [(1, 64, 512, GemvConfig(32, 256, 1, 4, 2)), (3, 96, 512, GemvConfig(32, 128, 2, 4, 2)),
-                           (5, 70, 300, GemvConfig(32, 128, 2, 4, 2)), (16, 64, 1024, GemvConfig(16, 256, 4, 4, 2))]:
+                           (5, 70, 300, GemvConfig(32, 128, 2, 4, 2)), (16, 64, 1024, GemvConfig(16, 256, 4, 4, 2)),
+                           (1, 70, 300, GemvConfig(8, 128, 2, 4, 2))]:
     q, s = quantize_weight(torch.randn(n, k))
     x = torch.randn(rows, k).half()
     got = fp8_gemv(x, q, s.reshape(1, -1), torch.float16, config).float()

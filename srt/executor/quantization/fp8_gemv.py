@@ -70,6 +70,36 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, scale_ptr, out_ptr, part_ptr, M, N, K, stride
 
 
 @triton.jit
+def _fp8_gemv_row_kernel(x_ptr, w_ptr, scale_ptr, out_ptr, part_ptr, N, K, k_per_split,
+                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, EVEN: tl.constexpr):
+    """One row (batch-1 decode): plain multiply-adds on [BLOCK_N, BLOCK_K] tiles read in the
+    weight's own row-major layout, summed across K once at the end; no tensor-core layouts."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    k_begin = pid_k * k_per_split
+    w_rows = w_ptr + offs_n[:, None].to(tl.int64) * K
+    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for k0 in range(k_begin, k_begin + k_per_split, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        if EVEN:
+            w = tl.load(w_rows + offs_k[None, :])
+            x = tl.load(x_ptr + offs_k)
+        else:
+            k_mask = offs_k < K
+            w = tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+            x = tl.load(x_ptr + offs_k, mask=k_mask, other=0.0)
+        acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+    y = tl.sum(acc, axis=1)
+    if SPLIT_K == 1:
+        y *= tl.load(scale_ptr + offs_n, mask=n_mask, other=0.0)
+        tl.store(out_ptr + offs_n, y.to(out_ptr.dtype.element_ty), mask=n_mask)
+    else:
+        tl.store(part_ptr + pid_k * N + offs_n, y, mask=n_mask)
+
+
+@triton.jit
 def _sum_splits_kernel(part_ptr, scale_ptr, out_ptr, M, N, stride_om, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < M * N
@@ -87,15 +117,21 @@ def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def gemv_config(n: int, k: int, sm_count: int) -> GemvConfig:
-    """Tiles for an [N, K] weight: enough programs to keep every SM streaming (split K when the
-    output channels alone give too few), each reading 64-byte-or-longer runs of a weight row."""
-    block_n, block_k = 32, 256
+def gemv_config(rows: int, n: int, k: int, sm_count: int) -> GemvConfig:
+    """Tiles for `rows` rows times an [N, K] weight: enough programs to keep every SM streaming
+    (split K when the output channels alone give too few)."""
+    if rows == 1:
+        block_n, block_k, warps, stages = ROW_TILES
+    else:
+        block_n, block_k, warps, stages = 32, 256, 4, 3
     programs = triton.cdiv(n, block_n)
     split_k = 1
     while programs * split_k < 2 * sm_count and k % (2 * split_k * block_k) == 0 and split_k < 8:
         split_k *= 2
-    return GemvConfig(block_n=block_n, block_k=block_k, split_k=split_k, num_warps=4, num_stages=4)
+    return GemvConfig(block_n=block_n, block_k=block_k, split_k=split_k, num_warps=warps, num_stages=stages)
+
+
+ROW_TILES = (8, 512, 4, 2)  # block_n, block_k, num_warps, num_stages of the one-row kernel
 
 
 def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, out_dtype: torch.dtype,
@@ -108,7 +144,7 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, 
     if rows > MAX_ROWS:
         raise ValueError(f"fp8_gemv takes at most {MAX_ROWS} rows, got {rows}")
     if config is None:
-        config = gemv_config(n, k, _sm_count(x.device.index or 0))
+        config = gemv_config(rows, n, k, _sm_count(x.device.index or 0))
     out = torch.empty((rows, n), dtype=out_dtype, device=x.device)
     if rows == 0:
         return out
@@ -116,10 +152,15 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, 
     k_per_split = triton.cdiv(triton.cdiv(k, split), config.block_k) * config.block_k
     even = n % config.block_n == 0 and k % config.block_k == 0 and k_per_split * split == k
     part = torch.empty((split, rows, n), dtype=torch.float32, device=x.device) if split > 1 else out
-    _fp8_gemv_kernel[(triton.cdiv(n, config.block_n), split)](
-        x, weight, weight_scale, out, part, rows, n, k, x.stride(0), out.stride(0), k_per_split,
-        BLOCK_M=16, BLOCK_N=config.block_n, BLOCK_K=config.block_k, SPLIT_K=split, EVEN=even,
-        num_warps=config.num_warps, num_stages=config.num_stages)
+    grid = (triton.cdiv(n, config.block_n), split)
+    if rows == 1:
+        _fp8_gemv_row_kernel[grid](x, weight, weight_scale, out, part, n, k, k_per_split, BLOCK_N=config.block_n,
+                                   BLOCK_K=config.block_k, SPLIT_K=split, EVEN=even, num_warps=config.num_warps,
+                                   num_stages=config.num_stages)
+    else:
+        _fp8_gemv_kernel[grid](x, weight, weight_scale, out, part, rows, n, k, x.stride(0), out.stride(0),
+                               k_per_split, BLOCK_M=16, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+                               SPLIT_K=split, EVEN=even, num_warps=config.num_warps, num_stages=config.num_stages)
     if split > 1:
         block = 1024
         _sum_splits_kernel[(triton.cdiv(rows * n, block),)](part, weight_scale, out, rows, n, out.stride(0),
