@@ -36,7 +36,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_gpu_llama8b import (CONFIG, TOKENIZERS, Reporter, StepTimer, _layer_params,  # noqa: E402
-                               measure_bandwidth, offline_workload, random_prompts, timed)
+                               measure_bandwidth, offline_workload, profile, random_prompts, timed)
 
 # vLLM's FP8 figures: NOT measured in this run (recorded on this project's H200 machine).
 VLLM_FP8_RECORDED = {"decode_ms_per_token": 3.478, "offline_seconds": 32.58, "offline_output_tok_s": 7951.0,
@@ -103,6 +103,11 @@ def bench_decode(make_engine, rep: Reporter) -> None:
         try:
             engine = make_engine(max_running_requests=8, cuda_graph_max_bs=8, **kwargs)
             ms[name] = decode_ms_per_token(engine)
+            if name == "fp8":  # where the rest of the step goes, kernel by kernel
+                prompt = random_prompts(random.Random(1), [128])[0]
+                profile(lambda: engine.generate(input_ids=prompt, sampling_params={
+                    "temperature": 0, "max_new_tokens": 64, "ignore_eos": True}), "fp8 batch-1 decode, 64 tokens",
+                    rows=25)
         finally:
             fp8_module._fp8_gemv = default_gemv
         config = engine.model_config
