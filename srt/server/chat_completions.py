@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator
+from typing import Any, AsyncGenerator, AsyncIterator
 
 from fastapi import Request
 from fastapi.responses import Response
@@ -21,7 +21,8 @@ from radixlm.srt.server.openai_common import (as_openai_error, check_fits, error
                                               samples, tokenize)
 from radixlm.srt.server.openai_protocol import (ChatCompletionRequest, OpenAIError, chat_logprobs, choice,
                                                 finish_reason_of, logprob_entries)
-from radixlm.srt.server.openai_runner import ClientLeft, Job, SampleRunner, call_on_disconnect
+from radixlm.srt.server.openai_runner import Job, SampleRunner
+from radixlm.srt.server.run_to_end import run_to_end
 from radixlm.srt.server.streaming import SSE_DONE, EventStream, sse
 from radixlm.srt.server.tool_calls.reasoning import CLOSE
 
@@ -139,14 +140,14 @@ class ChatCompletions:
         """(choice index, phase "reasoning" or "answer", that phase's result so far), as they come."""
         tm = self.api.tm_getter()
         if not run.turn.constrain_after_reasoning:
-            async for index, out in _each(SampleRunner(tm, run.first_job)):
+            async for index, out in SampleRunner(tm, run.first_job).outputs():
                 yield index, "answer", out
             return
         for index in range(run.body.n):
             job = run.first_job if index == 0 else self._job(run, run.first_job.groups[0][0].input_ids, run.max_new,
                                                              None, stop=[CLOSE], seed_offset=index)
             first = None
-            async for _, out in _each(SampleRunner(tm, job)):
+            async for _, out in SampleRunner(tm, job).outputs():
                 first = out
                 yield index, "reasoning", out
             run.reasoning_finals[index] = first
@@ -156,31 +157,24 @@ class ChatCompletions:
                 continue  # it ended while reasoning: there is no answer to constrain
             ids = tokenize(tm, after_reasoning(run.turn, first["text"]), run.renames)
             answer = self._job(run, ids, left, run.turn.json_schema, seed_offset=index)
-            async for _, out in _each(SampleRunner(tm, answer)):
+            async for _, out in SampleRunner(tm, answer).outputs():
                 yield index, "answer", out
 
     async def run_to_end(self, run: ChatRun, request: Request) -> list[dict[str, Any]] | Response:
         """Each choice's final result (a two-phase choice's text holds its reasoning and
         answer), or the error response; stops everything if the client disconnects first."""
-        task = asyncio.current_task()
-        watcher = asyncio.get_running_loop().create_task(call_on_disconnect(request, task.cancel))
-        try:
-            async for index, phase, out in self.results(run):
-                if finish_reason_of(out["meta_info"]) is None:
-                    continue
-                if phase == "answer" and index in run.reasoning_finals:
-                    first = run.reasoning_finals[index]
-                    out = {**out, "text": first["text"] + CLOSE + out["text"]}
-                run.finals[index] = out
-            return [run.finals[i] for i in range(run.body.n)]
-        except asyncio.CancelledError:
-            return Response(status_code=499)
-        except ClientLeft:
-            return Response(status_code=499)
-        except Exception as e:
-            return error_response(as_openai_error(e, run.renames))
-        finally:
-            watcher.cancel()
+        finals = await run_to_end(request, self._whole_results(run), run.renames, run.body.n)
+        if not isinstance(finals, Response):
+            run.finals.update(enumerate(finals))
+        return finals
+
+    async def _whole_results(self, run: ChatRun) -> AsyncGenerator[tuple[int, dict[str, Any]], None]:
+        """results() by choice, an answer after reasoning with the reasoning's text before it."""
+        async for index, phase, out in self.results(run):
+            if phase == "answer" and index in run.reasoning_finals:
+                first = run.reasoning_finals[index]
+                out = {**out, "text": first["text"] + CLOSE + out["text"]}
+            yield index, out
 
     async def _stream(self, run: ChatRun, envelope: dict[str, Any]) -> AsyncIterator[bytes]:
         n = run.body.n
@@ -238,12 +232,3 @@ class ChatCompletions:
         if stream.called_tools and item["finish_reason"] == "stop":
             item["finish_reason"] = "tool_calls"
         return sse({**envelope, "choices": [item]})
-
-
-async def _each(runner: SampleRunner) -> AsyncIterator[tuple[int, dict[str, Any]]]:
-    """A runner's results until every sample finished; closing it aborts what still runs."""
-    try:
-        while (item := await runner.next_output()) is not None:
-            yield item
-    finally:
-        runner.close()

@@ -22,7 +22,8 @@ from radixlm.srt.server.openai_common import (as_openai_error, check_fits, error
                                               samples, tokenize)
 from radixlm.srt.server.openai_protocol import (CompletionRequest, OpenAIError, TokenText, choice, completion_logprobs,
                                                 finish_reason_of, logprob_entries)
-from radixlm.srt.server.openai_runner import ClientLeft, Job, SampleRunner, call_on_disconnect
+from radixlm.srt.server.openai_runner import Job, SampleRunner
+from radixlm.srt.server.run_to_end import run_to_end
 from radixlm.srt.server.streaming import SSE_DONE, EventStream, sse
 from radixlm.srt.server.tokenizer_manager import TokenizerManager
 
@@ -81,7 +82,8 @@ class OpenAIServing:
         envelope = self.envelope("cmpl", "text_completion")
         if body.stream:
             return EventStream(self._stream_completion(job, body, envelope))
-        finals = await self.run_to_end(job, request)
+        finals = await run_to_end(request, SampleRunner(self.tm_getter(), job).outputs(), job.renames,
+                                  job.num_choices)
         if isinstance(finals, Response):
             return finals
         choices = []
@@ -156,21 +158,3 @@ class OpenAIServing:
         if self._token_text is None:
             self._token_text = TokenText(self.tm_getter().tokenizer)
         return self._token_text
-
-    async def run_to_end(self, job: Job, request: Request) -> list[dict[str, Any]] | Response:
-        """Every sample's final result in choice order, or the error response; aborts all
-        samples if the client disconnects first."""
-        finals: list[Any] = [None] * job.num_choices
-        runner = SampleRunner(self.tm_getter(), job)
-        watcher = asyncio.get_running_loop().create_task(call_on_disconnect(request, runner.client_left))
-        try:
-            while (item := await runner.next_output()) is not None:
-                finals[item[0]] = item[1]
-            return finals
-        except ClientLeft:
-            return Response(status_code=499)
-        except Exception as e:
-            return error_response(as_openai_error(e, job.renames))
-        finally:
-            watcher.cancel()
-            runner.close()

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, AsyncGenerator, Callable
 
 from fastapi import Request
 
@@ -99,18 +99,17 @@ class SampleRunner:
                 return index, item
         return None
 
+    async def outputs(self) -> AsyncGenerator[tuple[int, dict[str, Any]], None]:
+        """next_output's results until every sample finished; closing it aborts what still runs."""
+        try:
+            while (item := await self.next_output()) is not None:
+                yield item
+        finally:
+            self.close()
+
     def close(self) -> None:
         for task in list(self._tasks):
             task.cancel()
-
-    def client_left(self) -> None:
-        """Stops everything and makes the consumer's next_output raise ClientLeft."""
-        self.close()
-        self._queue.put_nowait((-1, ClientLeft()))
-
-
-class ClientLeft(Exception):
-    pass
 
 
 class InternalAbort(Exception):
