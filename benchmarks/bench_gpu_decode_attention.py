@@ -1,0 +1,93 @@
+"""FlashInfer decode attention variants on one H200, Llama-3.1-8B attention shape (32 query heads,
+8 KV heads, head_dim 128, bf16, pages of 1): microseconds per layer, 32 layers with their own KV
+replayed from one CUDA graph, as a decode step runs them. The baseline is the variant the
+engine runs (tensor-core decode, split-KV as FlashInfer plans it), measured in the same run.
+
+    python benchmarks/bench_gpu_decode_attention.py --out benchmarks/results/gpu_h200.jsonl
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_gpu_llama8b import Reporter  # noqa: E402
+
+HEADS, KV_HEADS, HEAD_DIM, LAYERS = 32, 8, 128, 32
+VARIANTS = {"tensor_cores": (True, False), "tensor_cores_no_split": (True, True), "cuda_cores": (False, False),
+            "cuda_cores_no_split": (False, True)}
+
+
+def layer_us(batch: int, kv_len: int, tensor_cores: bool, no_split: bool) -> float:
+    import flashinfer
+
+    device = torch.device("cuda")
+    pages = batch * kv_len
+    kv = [(torch.randn(pages, KV_HEADS, 1, HEAD_DIM, device=device, dtype=torch.bfloat16),
+           torch.randn(pages, KV_HEADS, 1, HEAD_DIM, device=device, dtype=torch.bfloat16)) for _ in range(LAYERS)]
+    q = torch.randn(batch, HEADS, HEAD_DIM, device=device, dtype=torch.bfloat16)
+    indptr = torch.arange(batch + 1, dtype=torch.int32, device=device) * kv_len
+    indices = torch.arange(pages, dtype=torch.int32, device=device)
+    last = torch.ones(batch, dtype=torch.int32, device=device)
+    workspace = torch.zeros(256 << 20, dtype=torch.uint8, device=device)
+    wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+        workspace, "HND", use_cuda_graph=True, use_tensor_cores=tensor_cores, paged_kv_indptr_buffer=indptr.clone(),
+        paged_kv_indices_buffer=indices.clone(), paged_kv_last_page_len_buffer=last.clone(), backend="fa2")
+    extra = {"disable_split_kv": True} if no_split else {}
+    wrapper.plan(indptr, indices, last, HEADS, KV_HEADS, HEAD_DIM, 1, q_data_type=torch.bfloat16,
+                 kv_data_type=torch.bfloat16, **extra)
+    out = torch.empty_like(q)
+
+    def step():
+        for k, v in kv:
+            wrapper.run(q, (k, v), out=out)
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    replays = 20
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1e3 / (replays * LAYERS)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batch-sizes", default="1,8,64")
+    parser.add_argument("--kv-lens", default="256,2048")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    rep = Reporter(args.out, "python " + shlex.join(sys.argv))
+    for batch in (int(b) for b in args.batch_sizes.split(",")):
+        for kv_len in (int(n) for n in args.kv_lens.split(",")):
+            us = {}
+            for name, (tensor_cores, no_split) in VARIANTS.items():
+                try:
+                    us[name] = round(layer_us(batch, kv_len, tensor_cores, no_split), 2)
+                except Exception as e:  # a variant this FlashInfer does not offer
+                    us[name] = f"{type(e).__name__}: {str(e)[:120]}"
+            base = us["tensor_cores"]
+            rep.emit({"bench": "gpu_decode_attention", "batch": batch, "kv_len": kv_len, "us_per_layer": us,
+                      "baseline": "tensor_cores (the engine's decode wrapper), measured in this run",
+                      "speedup_vs_baseline": {k: round(base / v, 3) for k, v in us.items()
+                                              if isinstance(v, float) and isinstance(base, float)}})
+
+
+if __name__ == "__main__":
+    main()
