@@ -1,5 +1,5 @@
 """FlashInfer decode attention variants on one H200, Llama-3.1-8B attention shape (32 query heads,
-8 KV heads, head_dim 128, bf16, pages of 1): microseconds per layer, 32 layers with their own KV
+8 KV heads, head_dim 128, bf16 queries, bf16 or FP8 KV, pages of 1): microseconds per layer, 32 layers with their own KV
 replayed from one CUDA graph, as a decode step runs them. The baseline is the variant the
 engine runs (tensor-core decode, split-KV as FlashInfer plans it), measured in the same run.
 
@@ -9,6 +9,7 @@ engine runs (tensor-core decode, split-KV as FlashInfer plans it), measured in t
 from __future__ import annotations
 
 import argparse
+import itertools
 import shlex
 import sys
 from pathlib import Path
@@ -23,13 +24,13 @@ VARIANTS = {"tensor_cores": (True, False), "tensor_cores_no_split": (True, True)
             "cuda_cores_no_split": (False, True)}
 
 
-def layer_us(batch: int, kv_len: int, tensor_cores: bool, no_split: bool) -> float:
+def layer_us(batch: int, kv_len: int, tensor_cores: bool, no_split: bool, kv_dtype: torch.dtype) -> float:
     import flashinfer
 
     device = torch.device("cuda")
     pages = batch * kv_len
-    kv = [(torch.randn(pages, KV_HEADS, 1, HEAD_DIM, device=device, dtype=torch.bfloat16),
-           torch.randn(pages, KV_HEADS, 1, HEAD_DIM, device=device, dtype=torch.bfloat16)) for _ in range(LAYERS)]
+    kv = [(torch.randn(pages, KV_HEADS, 1, HEAD_DIM, device=device).to(kv_dtype),
+           torch.randn(pages, KV_HEADS, 1, HEAD_DIM, device=device).to(kv_dtype)) for _ in range(LAYERS)]
     q = torch.randn(batch, HEADS, HEAD_DIM, device=device, dtype=torch.bfloat16)
     indptr = torch.arange(batch + 1, dtype=torch.int32, device=device) * kv_len
     indices = torch.arange(pages, dtype=torch.int32, device=device)
@@ -40,7 +41,7 @@ def layer_us(batch: int, kv_len: int, tensor_cores: bool, no_split: bool) -> flo
         paged_kv_indices_buffer=indices.clone(), paged_kv_last_page_len_buffer=last.clone(), backend="fa2")
     extra = {"disable_split_kv": True} if no_split else {}
     wrapper.plan(indptr, indices, last, HEADS, KV_HEADS, HEAD_DIM, 1, q_data_type=torch.bfloat16,
-                 kv_data_type=torch.bfloat16, **extra)
+                 kv_data_type=kv_dtype, **extra)
     out = torch.empty_like(q)
 
     def step():
@@ -69,24 +70,28 @@ def layer_us(batch: int, kv_len: int, tensor_cores: bool, no_split: bool) -> flo
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--batch-sizes", default="1,8,64")
-    parser.add_argument("--kv-lens", default="256,2048")
+    parser.add_argument("--batch-sizes", default="1,8,64,256")
+    parser.add_argument("--kv-lens", default="256,1024,2048")
+    parser.add_argument("--kv-dtypes", default="bf16,fp8_e4m3")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     rep = Reporter(args.out, "python " + shlex.join(sys.argv))
-    for batch in (int(b) for b in args.batch_sizes.split(",")):
-        for kv_len in (int(n) for n in args.kv_lens.split(",")):
-            us = {}
-            for name, (tensor_cores, no_split) in VARIANTS.items():
-                try:
-                    us[name] = round(layer_us(batch, kv_len, tensor_cores, no_split), 2)
-                except Exception as e:  # a variant this FlashInfer does not offer
-                    us[name] = f"{type(e).__name__}: {str(e)[:120]}"
-            base = us["tensor_cores"]
-            rep.emit({"bench": "gpu_decode_attention", "batch": batch, "kv_len": kv_len, "us_per_layer": us,
-                      "baseline": "tensor_cores (the engine's decode wrapper), measured in this run",
-                      "speedup_vs_baseline": {k: round(base / v, 3) for k, v in us.items()
-                                              if isinstance(v, float) and isinstance(base, float)}})
+    dtypes = {"bf16": torch.bfloat16, "fp8_e4m3": torch.float8_e4m3fn}
+    for kv_name, batch, kv_len in itertools.product(args.kv_dtypes.split(","), args.batch_sizes.split(","),
+                                                    args.kv_lens.split(",")):
+        batch, kv_len = int(batch), int(kv_len)
+        us = {}
+        for name, (tensor_cores, no_split) in VARIANTS.items():
+            try:
+                us[name] = round(layer_us(batch, kv_len, tensor_cores, no_split, dtypes[kv_name]), 2)
+            except Exception as e:  # a variant this FlashInfer does not offer
+                us[name] = f"{type(e).__name__}: {str(e)[:120]}"
+        base = us["tensor_cores"]
+        rep.emit({"bench": "gpu_decode_attention", "kv_dtype": kv_name, "batch": batch, "kv_len": kv_len,
+                  "us_per_layer": us,
+                  "baseline": "tensor_cores (the engine's decode wrapper), measured in this run",
+                  "speedup_vs_baseline": {k: round(base / v, 3) for k, v in us.items()
+                                          if isinstance(v, float) and isinstance(base, float)}})
 
 
 if __name__ == "__main__":
