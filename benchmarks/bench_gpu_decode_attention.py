@@ -1,7 +1,8 @@
 """FlashInfer decode attention variants on one H200, Llama-3.1-8B attention shape (32 query heads,
 8 KV heads, head_dim 128, bf16 queries, bf16 or FP8 KV, pages of 1): microseconds per layer, 32 layers with their own KV
-replayed from one CUDA graph, as a decode step runs them. The baseline is the variant the
-engine runs (tensor-core decode, split-KV as FlashInfer plans it), measured in the same run.
+replayed from one CUDA graph, as a decode step runs them. The baseline is FlashInfer's
+tensor-core decode (split-KV as FlashInfer plans it), measured in the same run; `triton_fp8` is
+the engine's own kernel for FP8 pools (srt/executor/attention/fp8_decode.py).
 
     python benchmarks/bench_gpu_decode_attention.py --out benchmarks/results/gpu_h200.jsonl
 """
@@ -24,17 +25,29 @@ VARIANTS = {"tensor_cores": (True, False), "tensor_cores_no_split": (True, True)
             "cuda_cores_no_split": (False, True)}
 
 
-def layer_us(batch: int, kv_len: int, tensor_cores: bool, no_split: bool, kv_dtype: torch.dtype) -> float:
-    import flashinfer
-
+def layer_us(batch: int, kv_len: int, variant: str, kv_dtype: torch.dtype) -> float:
     device = torch.device("cuda")
     pages = batch * kv_len
-    kv = [(torch.randn(pages, KV_HEADS, 1, HEAD_DIM, device=device).to(kv_dtype),
-           torch.randn(pages, KV_HEADS, 1, HEAD_DIM, device=device).to(kv_dtype)) for _ in range(LAYERS)]
     q = torch.randn(batch, HEADS, HEAD_DIM, device=device, dtype=torch.bfloat16)
     indptr = torch.arange(batch + 1, dtype=torch.int32, device=device) * kv_len
-    indices = torch.arange(pages, dtype=torch.int32, device=device)
+    indices = torch.randperm(pages, device=device).to(torch.int32)  # scattered pages, as a busy pool has
     last = torch.ones(batch, dtype=torch.int32, device=device)
+    if variant == "triton_fp8":  # the engine's kernel for FP8 pools (head-major pool, as KVPool holds it)
+        from radixlm.srt.executor.attention.fp8_decode import fp8_paged_decode
+
+        pools = [(torch.randn(KV_HEADS, pages, HEAD_DIM, device=device).to(kv_dtype),
+                  torch.randn(KV_HEADS, pages, HEAD_DIM, device=device).to(kv_dtype)) for _ in range(LAYERS)]
+
+        def step():
+            for k, v in pools:
+                fp8_paged_decode(q, k, v, indptr, indices, last, 1, HEAD_DIM ** -0.5)
+
+        return graph_us(step)
+    import flashinfer
+
+    tensor_cores, no_split = VARIANTS[variant]
+    kv = [(torch.randn(pages, KV_HEADS, 1, HEAD_DIM, device=device).to(kv_dtype),
+           torch.randn(pages, KV_HEADS, 1, HEAD_DIM, device=device).to(kv_dtype)) for _ in range(LAYERS)]
     workspace = torch.zeros(256 << 20, dtype=torch.uint8, device=device)
     wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
         workspace, "HND", use_cuda_graph=True, use_tensor_cores=tensor_cores, paged_kv_indptr_buffer=indptr.clone(),
@@ -48,6 +61,11 @@ def layer_us(batch: int, kv_len: int, tensor_cores: bool, no_split: bool, kv_dty
         for k, v in kv:
             wrapper.run(q, (k, v), out=out)
 
+    return graph_us(step)
+
+
+def graph_us(step) -> float:
+    """Microseconds per layer of `step` (all LAYERS layers) replayed from a CUDA graph."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -75,7 +93,7 @@ def main() -> None:
     parser.add_argument("--kv-dtypes", default="bf16,fp8_e4m3")
     # FlashInfer 0.6.11: FP8 KV with disable_split_kv in graph mode fails with a CUDA error that
     # poisons the process (cudaErrorInvalidAddressSpace), so leave the *_no_split variants out there.
-    parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--variants", default=",".join([*VARIANTS, "triton_fp8"]))
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     rep = Reporter(args.out, "python " + shlex.join(sys.argv))
@@ -85,9 +103,10 @@ def main() -> None:
         batch, kv_len = int(batch), int(kv_len)
         us = {}
         for name in args.variants.split(","):
-            tensor_cores, no_split = VARIANTS[name]
+            if name == "triton_fp8" and kv_name != "fp8_e4m3":
+                continue
             try:
-                us[name] = round(layer_us(batch, kv_len, tensor_cores, no_split, dtypes[kv_name]), 2)
+                us[name] = round(layer_us(batch, kv_len, name, dtypes[kv_name]), 2)
             except Exception as e:  # a variant this FlashInfer does not offer
                 us[name] = f"{type(e).__name__}: {str(e)[:120]}"
         base = us["tensor_cores"]

@@ -1,0 +1,156 @@
+"""Decode attention over an FP8 (e4m3) KV pool in Triton, for the FlashInfer backend.
+
+Why: FlashInfer 0.6.11's decode kernels read FP8 pages no faster than bf16 ones (batch 256 x
+1024 tokens, Llama-3.1-8B heads: 271.5 us a layer vs 270.0; benchmarks/bench_gpu_decode_attention.py),
+so an FP8 pool bought capacity but no speed. Decode attention only has to stream each request's
+K and V once: this kernel reads the e4m3 bytes, widens them to the query's dtype in registers and
+runs the two small products on tensor cores.
+
+One program per (request, KV head, split of the sequence): the KV head's whole query group
+(padded to 16 rows, the dot's smallest tile) attends to its split with an online softmax. With
+more than one split, each writes its normalized output and log-sum-exp, and a second kernel
+merges them (flash-decoding). The split count is fixed per batch size (a CUDA graph needs a
+fixed grid); each request cuts its own length into that many pieces at run time.
+
+Pages: request b's pages are indices[indptr[b]:indptr[b + 1]], its last page holds
+last_page_len[b] tokens; token t of page p lives at slot p * page_size + t of the head-major
+pool [Hkv, slots, D] (mem_pool.KVPool).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+_LOG2E = 1.4426950408889634
+MAX_SPLITS = 32
+
+
+@triton.jit
+def _decode_kernel(q_ptr, k_ptr, v_ptr, indptr_ptr, indices_ptr, last_len_ptr, out_ptr, part_out_ptr, part_lse_ptr,
+                   stride_qb, stride_qh, stride_kh, stride_vh, stride_ob, stride_oh, qk_scale, v_scale,
+                   NUM_Q_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
+                   PAGE_SIZE: tl.constexpr, BLOCK_T: tl.constexpr, NUM_SPLITS: tl.constexpr):
+    b = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    page_begin = tl.load(indptr_ptr + b)
+    num_pages = tl.load(indptr_ptr + b + 1) - page_begin
+    seq_len = (num_pages - 1) * PAGE_SIZE + tl.load(last_len_ptr + b)
+    chunk = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_T) * BLOCK_T
+    t_begin = split * chunk
+    t_end = tl.minimum(seq_len, t_begin + chunk)
+
+    offs_g = tl.arange(0, BLOCK_G)
+    g_mask = offs_g < GROUP
+    q_heads = kv_head * GROUP + offs_g
+    d = tl.arange(0, HEAD_DIM)
+    q = tl.load(q_ptr + b * stride_qb + q_heads[:, None] * stride_qh + d[None, :], mask=g_mask[:, None], other=0.0)
+    k_head = k_ptr + kv_head.to(tl.int64) * stride_kh
+    v_head = v_ptr + kv_head.to(tl.int64) * stride_vh
+
+    m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_G, HEAD_DIM], dtype=tl.float32)
+    for t0 in range(t_begin, t_end, BLOCK_T):
+        t = t0 + tl.arange(0, BLOCK_T)
+        t_mask = t < t_end
+        page = tl.load(indices_ptr + page_begin + t // PAGE_SIZE, mask=t_mask, other=0).to(tl.int64)
+        slot = page * PAGE_SIZE + t % PAGE_SIZE
+        k = tl.load(k_head + slot[:, None] * HEAD_DIM + d[None, :], mask=t_mask[:, None], other=0.0)
+        v = tl.load(v_head + slot[:, None] * HEAD_DIM + d[None, :], mask=t_mask[:, None], other=0.0)
+        s = tl.dot(q, tl.trans(k.to(q.dtype))) * qk_scale  # log2 domain: sm_scale * k_scale * log2(e)
+        s = tl.where(t_mask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype))
+        m_i = m_new
+
+    if NUM_SPLITS == 1:
+        out = acc / l_i[:, None] * v_scale
+        tl.store(out_ptr + b * stride_ob + q_heads[:, None] * stride_oh + d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=g_mask[:, None])
+    else:  # an empty split (past a short request's end) leaves lse -inf and a zero output
+        has = l_i > 0
+        out = tl.where(has[:, None], acc / tl.where(has, l_i, 1.0)[:, None], 0.0)
+        lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
+        row = (b * NUM_SPLITS + split) * NUM_Q_HEADS + q_heads
+        tl.store(part_out_ptr + row[:, None] * HEAD_DIM + d[None, :], out, mask=g_mask[:, None])
+        tl.store(part_lse_ptr + row, lse, mask=g_mask)
+
+
+@triton.jit
+def _merge_kernel(part_out_ptr, part_lse_ptr, out_ptr, stride_ob, stride_oh, v_scale, NUM_Q_HEADS: tl.constexpr,
+                  HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr):
+    b = tl.program_id(0)
+    head = tl.program_id(1)
+    s = tl.arange(0, NUM_SPLITS)
+    d = tl.arange(0, HEAD_DIM)
+    rows = (b * NUM_SPLITS + s) * NUM_Q_HEADS + head
+    lse = tl.load(part_lse_ptr + rows)
+    weight = tl.exp2(lse - tl.max(lse, axis=0))  # every request has a token, so one split is finite
+    parts = tl.load(part_out_ptr + rows[:, None] * HEAD_DIM + d[None, :])
+    out = tl.sum(parts * weight[:, None], axis=0) / tl.sum(weight, axis=0) * v_scale
+    tl.store(out_ptr + b * stride_ob + head * stride_oh + d, out.to(out_ptr.dtype.element_ty))
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+class Fp8DecodeTables(NamedTuple):
+    """One decode step's page tables on the device (see the module docstring) and its split count."""
+
+    indptr: torch.Tensor
+    indices: torch.Tensor
+    last_page_len: torch.Tensor
+    splits: int
+
+
+def fp8_num_splits(batch_size: int, num_kv_heads: int, sm_count: int) -> int:
+    """Splits per request: enough programs for about two per SM, a power of two up to MAX_SPLITS."""
+    splits = 1
+    while batch_size * num_kv_heads * splits < 2 * sm_count and splits < MAX_SPLITS:
+        splits *= 2
+    return splits
+
+
+def fp8_paged_decode(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, indptr: torch.Tensor,
+                     indices: torch.Tensor, last_page_len: torch.Tensor, page_size: int, sm_scale: float,
+                     k_scale: float = 1.0, v_scale: float = 1.0, splits: int | None = None) -> torch.Tensor:
+    """q [B, Hq, D] (bf16/fp16) against the FP8 pool k_buf, v_buf [Hkv, slots, D] -> [B, Hq, D]."""
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    batch, num_q_heads, head_dim = q.shape
+    num_kv_heads = k_buf.shape[0]
+    if num_q_heads % num_kv_heads:
+        raise ValueError(f"fp8_paged_decode: {num_q_heads} query heads for {num_kv_heads} KV heads")
+    if k_buf.stride(2) != 1 or k_buf.stride(1) != head_dim or v_buf.stride(1) != head_dim:
+        raise ValueError("fp8_paged_decode: the pool must be [Hkv, slots, D] with contiguous rows")
+    group = num_q_heads // num_kv_heads
+    if splits is None:
+        splits = fp8_num_splits(batch, num_kv_heads, _sm_count(q.device.index or 0) if q.is_cuda else 1)
+    out = torch.empty_like(q)
+    if batch == 0:
+        return out
+    if splits > 1:
+        part_out = torch.empty((batch, splits, num_q_heads, head_dim), dtype=torch.float32, device=q.device)
+        part_lse = torch.empty((batch, splits, num_q_heads), dtype=torch.float32, device=q.device)
+    else:
+        part_out = part_lse = out  # unused
+    _decode_kernel[(batch, num_kv_heads, splits)](
+        q, k_buf, v_buf, indptr, indices, last_page_len, out, part_out, part_lse, q.stride(0), q.stride(1),
+        k_buf.stride(0), v_buf.stride(0), out.stride(0), out.stride(1), sm_scale * k_scale * _LOG2E, v_scale,
+        NUM_Q_HEADS=num_q_heads, GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
+        PAGE_SIZE=page_size, BLOCK_T=64, NUM_SPLITS=splits, num_warps=4, num_stages=2)
+    if splits > 1:
+        _merge_kernel[(batch, num_q_heads)](part_out, part_lse, out, out.stride(0), out.stride(1), v_scale,
+                                           NUM_Q_HEADS=num_q_heads, HEAD_DIM=head_dim, NUM_SPLITS=splits)
+    return out
