@@ -25,7 +25,7 @@ VARIANTS = {"tensor_cores": (True, False), "tensor_cores_no_split": (True, True)
             "cuda_cores_no_split": (False, True)}
 
 
-def layer_us(batch: int, kv_len: int, variant: str, kv_dtype: torch.dtype) -> float:
+def layer_us(batch: int, kv_len: int, variant: str, kv_dtype: torch.dtype, tiles=(64, 4, 2)) -> float:
     device = torch.device("cuda")
     pages = batch * kv_len
     q = torch.randn(batch, HEADS, HEAD_DIM, device=device, dtype=torch.bfloat16)
@@ -40,7 +40,7 @@ def layer_us(batch: int, kv_len: int, variant: str, kv_dtype: torch.dtype) -> fl
 
         def step():
             for k, v in pools:
-                fp8_paged_decode(q, k, v, indptr, indices, last, 1, HEAD_DIM ** -0.5)
+                fp8_paged_decode(q, k, v, indptr, indices, last, 1, HEAD_DIM ** -0.5, tiles=tiles)
 
         return graph_us(step)
     import flashinfer
@@ -94,6 +94,7 @@ def main() -> None:
     # FlashInfer 0.6.11: FP8 KV with disable_split_kv in graph mode fails with a CUDA error that
     # poisons the process (cudaErrorInvalidAddressSpace), so leave the *_no_split variants out there.
     parser.add_argument("--variants", default=",".join([*VARIANTS, "triton_fp8"]))
+    parser.add_argument("--triton-sweep", action="store_true", help="also time tile choices of the FP8 kernel")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     rep = Reporter(args.out, "python " + shlex.join(sys.argv))
@@ -109,6 +110,13 @@ def main() -> None:
                 us[name] = round(layer_us(batch, kv_len, name, dtypes[kv_name]), 2)
             except Exception as e:  # a variant this FlashInfer does not offer
                 us[name] = f"{type(e).__name__}: {str(e)[:120]}"
+        if args.triton_sweep and kv_name == "fp8_e4m3":
+            for tiles in itertools.product((32, 64, 128), (4, 8), (2, 3, 4)):
+                try:
+                    us[f"triton_fp8_{tiles[0]}_{tiles[1]}_{tiles[2]}"] = round(
+                        layer_us(batch, kv_len, "triton_fp8", dtypes[kv_name], tiles), 2)
+                except Exception as e:  # a tile that does not fit: skip it
+                    print(f"# {tiles}: {type(e).__name__}", flush=True)
         base = us["tensor_cores"]
         rep.emit({"bench": "gpu_decode_attention", "kv_dtype": kv_name, "batch": batch, "kv_len": kv_len,
                   "us_per_layer": us,

@@ -124,8 +124,10 @@ def fp8_num_splits(batch_size: int, num_kv_heads: int, sm_count: int) -> int:
 
 def fp8_paged_decode(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, indptr: torch.Tensor,
                      indices: torch.Tensor, last_page_len: torch.Tensor, page_size: int, sm_scale: float,
-                     k_scale: float = 1.0, v_scale: float = 1.0, splits: int | None = None) -> torch.Tensor:
-    """q [B, Hq, D] (bf16/fp16) against the FP8 pool k_buf, v_buf [Hkv, slots, D] -> [B, Hq, D]."""
+                     k_scale: float = 1.0, v_scale: float = 1.0, splits: int | None = None,
+                     tiles: tuple[int, int, int] = (64, 4, 2)) -> torch.Tensor:
+    """q [B, Hq, D] (bf16/fp16) against the FP8 pool k_buf, v_buf [Hkv, slots, D] -> [B, Hq, D].
+    tiles: (tokens per loop step, num_warps, num_stages)."""
     if q.stride(-1) != 1:
         q = q.contiguous()
     batch, num_q_heads, head_dim = q.shape
@@ -149,7 +151,7 @@ def fp8_paged_decode(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, 
         q, k_buf, v_buf, indptr, indices, last_page_len, out, part_out, part_lse, q.stride(0), q.stride(1),
         k_buf.stride(0), v_buf.stride(0), out.stride(0), out.stride(1), sm_scale * k_scale * _LOG2E, v_scale,
         NUM_Q_HEADS=num_q_heads, GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
-        PAGE_SIZE=page_size, BLOCK_T=64, NUM_SPLITS=splits, num_warps=4, num_stages=2)
+        PAGE_SIZE=page_size, BLOCK_T=tiles[0], NUM_SPLITS=splits, num_warps=tiles[1], num_stages=tiles[2])
     if splits > 1:
         _merge_kernel[(batch, num_q_heads)](part_out, part_lse, out, out.stride(0), out.stride(1), v_scale,
                                            NUM_Q_HEADS=num_q_heads, HEAD_DIM=head_dim, NUM_SPLITS=splits)
