@@ -25,7 +25,7 @@ VARIANTS = {"tensor_cores": (True, False), "tensor_cores_no_split": (True, True)
             "cuda_cores_no_split": (False, True)}
 
 
-def layer_us(batch: int, kv_len: int, variant: str, kv_dtype: torch.dtype, tiles=(64, 4, 2)) -> float:
+def layer_us(batch: int, kv_len: int, variant: str, kv_dtype: torch.dtype, tiles=(128, 4, 3)) -> float:
     device = torch.device("cuda")
     pages = batch * kv_len
     q = torch.randn(batch, HEADS, HEAD_DIM, device=device, dtype=torch.bfloat16)
