@@ -130,8 +130,9 @@ def fp8_paged_decode(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, 
     tiles: (tokens per loop step, num_warps, num_stages). The default, on the H200 with
     Llama-3.1-8B heads (benchmarks/bench_gpu_decode_attention.py --triton-sweep, 2026-12-01), was
     within 9% of the best of 18 choices at batch 1, 64 and 256 with 256 or 2048 tokens, except
-    batch 1 at 256 tokens (7.3 us a layer; 32-token tiles: 5.3), and as fast as FlashInfer's FP8
-    decode or faster everywhere (1.1-1.9x at 256 tokens and at batch 1)."""
+    batch 1 at 256 tokens (7.3 us a layer; 32-token tiles: 5.3); against FlashInfer's FP8 decode
+    it is within 1% at batch 64 and 256 with 2048 tokens and 1.5-1.9x faster at 256 tokens and
+    at batch 1."""
     if q.stride(-1) != 1:
         q = q.contiguous()
     batch, num_q_heads, head_dim = q.shape
