@@ -47,8 +47,7 @@ class BatchPlanner:
         if parts:
             riders = self._decode_riders() if self.args.enable_mixed_chunk else []
             parts += riders
-            needs_host = bool(self.num_drafts) or any(p.input_logprobs or (p.samples and _needs_host_tokens(p.req))
-                                                      for p in parts)
+            needs_host = any(p.input_logprobs or (p.samples and _needs_host_tokens(p.req)) for p in parts)
             return StepPlan(parts, decode=False, needs_host_tokens=needs_host)
         if self.sched.running:
             return self._plan_decode()
@@ -154,8 +153,10 @@ class BatchPlanner:
     def _plan_decode(self) -> StepPlan | None:
         sched = self.sched
         allocator = sched.allocator
+        if self.num_drafts and sched.pending is not None and any(map(self._drafts_next, sched.running)):
+            sched.commit_pending()  # drafting reads the newest tokens on the host
         # Requests whose pending token surely ends them sit this step out.
-        reqs = [r for r in sched.running if not self._ends_with_pending_token(r)]
+        reqs = [r for r in sched.running if not r.finished and not self._ends_with_pending_token(r)]
         if not reqs:
             return None
         # Make room for the new tokens (one each, more after a jump-forward): evict from the
@@ -181,17 +182,30 @@ class BatchPlanner:
         if self.num_drafts:
             parts = [self._with_drafts(p) for p in parts]
         # Jumped-forward requests feed several tokens, speculating ones their drafts: then it is
-        # an extend batch (the last row each, every row of a speculating one).
+        # an extend batch (the last row each, every row of a speculating one). A verify step is
+        # committed at once (its tokens are chosen on the host, and its KV length with them); a
+        # step without drafts overlaps as if speculation were off.
+        verifies = any(p.drafts or p.model_drafts for p in parts)
         return StepPlan(parts, decode=all(p.extend_len == 1 for p in parts),
-                        needs_host_tokens=any(_needs_host_tokens(r) for r in reqs) or bool(self.num_drafts))
+                        needs_host_tokens=verifies or any(_needs_host_tokens(r) for r in reqs))
+
+    def _drafts_next(self, req: Req) -> bool:
+        """Whether `req` is to draft in the decode step being planned: decided before its newest
+        token is on the host, so that only a request about to draft makes the step wait for the
+        one in flight (and every request that drafts has its tokens on the host)."""
+        return (not req.finished and req.drafting.due and _may_speculate(req)
+                and not self._ends_with_pending_token(req))
 
     def _with_drafts(self, part: ExtendPlan) -> ExtendPlan:
         """The part with drafts after its token (n-gram drafts, or room for the draft model's),
-        when the request can speculate and free KV holds them. Drafting reads the newest token,
-        so speculation runs in lockstep."""
+        when the request can speculate, drafting pays for it (draft_pacing.py) and free KV holds
+        them. Drafting reads the newest token, so a step with drafts runs in lockstep."""
         req = part.req
         sp = req.sampling_params
-        if part.extend_len != 1 or not _can_speculate(req):
+        if part.extend_len != 1 or not _may_speculate(req):
+            return part
+        if not req.drafting.due:
+            req.drafting.skipped()
             return part
         room = min(self.num_drafts, sp.max_new_tokens - len(req.output_ids) - 1,
                    self.sched.context_len - req.seq_len - 1)
@@ -205,8 +219,11 @@ class BatchPlanner:
                                    self.args.speculative_ngram_min_match_window_size)
             if req.grammar is not None:  # cut at the first draft the grammar rejects
                 drafts = drafts[:valid_draft_len(req.grammar, drafts)]
+            if not drafts:  # nothing to copy: an ordinary decode row, and drafting pauses a while
+                req.drafting.no_draft()
+                return part
             count = len(drafts)
-        slots = self.sched.kv.alloc_more(req, count) if count else None
+        slots = self.sched.kv.alloc_more(req, count)
         if not slots:
             return part
         n = 1 + count
@@ -259,14 +276,14 @@ def _extend_part(req: Req, extend_len: int, slots: list[int]) -> ExtendPlan:
                       input_logprobs=input_logprobs and end > first)
 
 
-def _can_speculate(req: Req) -> bool:
+def _may_speculate(req: Req) -> bool:
     """Whether drafts can be verified for `req` with outputs exactly as without them: not while
     a penalty, min_new_tokens or logprobs shape each token. (Grammars can: each verify row is
     masked by the grammar state after the drafts before it.)"""
     sp = req.sampling_params
     return (not req.logprob.return_logprob and not sp.frequency_penalty
-            and not sp.presence_penalty and sp.repetition_penalty == 1.0 and req.pending_tokens == 0
-            and len(req.output_ids) >= sp.min_new_tokens)
+            and not sp.presence_penalty and sp.repetition_penalty == 1.0
+            and len(req.output_ids) + req.pending_tokens >= sp.min_new_tokens)
 
 
 def _needs_host_tokens(req: Req) -> bool:

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from radixlm.srt.io_struct import TokenizedGenerateReq
+from radixlm.srt.scheduler.draft_pacing import DraftPacing
 from radixlm.srt.sampling_params import SamplingParams
 
 
@@ -57,6 +58,7 @@ class Req:
     # Speculative decoding: verify forwards run for this request, and draft tokens accepted.
     spec_verify_ct: int = 0
     spec_accepted: int = 0
+    drafting: DraftPacing = field(default_factory=DraftPacing)  # whether drafting for it pays
 
     # Results for logprobs: lists of (logprob, token_id) and top-k lists per token.
     input_token_logprobs: list[tuple[float | None, int]] = field(default_factory=list)

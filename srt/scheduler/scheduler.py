@@ -12,7 +12,9 @@ outputs, planning the next batch) runs while the device computes. A decode step 
 request's newest token straight from the device; requests that will surely finish
 (max_new_tokens, context length) sit it out, and one that stops on EOS or a stop string
 computes one token that is dropped. Requests whose next step needs their newest token on the
-host (grammars, penalties, logprobs) make their steps run in lockstep.
+host (grammars, penalties, logprobs) make their steps run in lockstep, and so do speculative
+verify steps (drafting reads the newest tokens on the host); a decode step in which no request
+drafts overlaps as usual.
 """
 
 from __future__ import annotations
@@ -68,6 +70,8 @@ class Scheduler:
         self._stepped: list[Req] = []  # requests that produced something since step() began
         self.spec_verify_steps = 0  # speculative verify parts committed, and the drafts they accepted
         self.spec_accepted_tokens = 0
+        self.steps_launched = 0  # forwards, and those whose tokens were read while the next one ran
+        self.steps_overlapped = 0
 
     @property
     def overlap(self) -> bool:
@@ -156,8 +160,11 @@ class Scheduler:
             self.in_flight = plan.reqs
             launched = self.engine.launch(plan)
             self.planner.launched(plan)
+            self.steps_launched += 1
             if not plan.decode:
                 self._stepped.extend(plan.reqs)  # prompt chunks report logprobs; max_new_tokens=0 ends
+            if self.pending is not None:
+                self.steps_overlapped += 1
         elif not self.running and self.pending is None and not failed:
             self.constraints.wait(GRAMMAR_POLL_S)  # nothing to run, perhaps grammars to wait for
         self.commit_pending()  # the previous step's tokens, read while this one runs
@@ -211,6 +218,7 @@ class Scheduler:
         the last accepted draft kept; the slots of rejected drafts are freed."""
         req.spec_verify_ct += 1
         req.spec_accepted += len(tokens) - 1
+        req.drafting.verified(len(tokens) - 1)
         self.spec_verify_steps += 1
         self.spec_accepted_tokens += len(tokens) - 1
         reason = None
@@ -247,6 +255,8 @@ class Scheduler:
             "max_total_tokens": self.allocator.capacity,
             "page_size": self.args.page_size,
             "speculative": self.spec_stats(),
+            "overlap": {"enabled": self.overlap, "steps": self.steps_launched,
+                        "overlapped_steps": self.steps_overlapped},
         }
 
     def spec_stats(self) -> dict[str, Any]:
