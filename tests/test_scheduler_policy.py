@@ -49,22 +49,45 @@ class FakeEngine:
             assert row[part.start:] == part.slots, "the table row holds the planned slots"
             assert 0 not in row, "every computed token has a slot (slot 0 is on the padding page)"
             assert len(set(row)) == len(row), "no two positions share a slot"
-        # Output index of each sampling request's new token: what it has, plus what is in flight.
-        indexes = [len(r.output_ids) + r.pending_tokens for r in plan.sampling_reqs]
-        tokens = [script(r, i) for r, i in zip(plan.sampling_reqs, indexes)]
-        pending = PendingStep(plan, lambda: StepResult(tokens))
+        result = self.result(plan)  # drawn now: the requests' state changes before it is read
+        pending = PendingStep(plan, lambda: result)
         self.in_flight.append(pending)
         return pending
 
+    def result(self, plan: StepPlan) -> StepResult:
+        # Output index of each sampling request's new token: what it has, plus what is in flight.
+        indexes = [len(r.output_ids) + r.pending_tokens for r in plan.sampling_reqs]
+        return StepResult([script(r, i) for r, i in zip(plan.sampling_reqs, indexes)])
 
-def make_scheduler(**overrides) -> Scheduler:
+
+class CopyingEngine(FakeEngine):
+    """A fake greedy model whose output per request is `OUTPUTS[rid]`, verifying drafts as the
+    real engine does: the drafts equal to that output are kept, then its next token."""
+
+    OUTPUTS: dict[str, list[int]] = {}
+
+    def result(self, plan: StepPlan) -> StepResult:
+        tokens, spec_tokens = [], {}
+        for i, part in enumerate(p for p in plan.parts if p.samples):
+            req = part.req
+            want = self.OUTPUTS[req.rid][len(req.output_ids) + req.pending_tokens:]
+            kept = 0
+            while kept < len(part.drafts) and part.drafts[kept] == want[kept]:
+                kept += 1
+            tokens.append(want[0])
+            if part.drafts:
+                spec_tokens[i] = want[:kept + 1]
+        return StepResult(tokens, spec_tokens=spec_tokens)
+
+
+def make_scheduler(engine_factory=FakeEngine, **overrides) -> Scheduler:
     args = dict(max_total_tokens=256, max_running_requests=8, chunked_prefill_size=64, max_prefill_tokens=64,
                 context_length=512, device="cpu")
     args.update(overrides)
     config = SimpleNamespace(eos_token_ids=(EOS,), vocab_size=64, context_len=512)
     tokenizer = SimpleNamespace(eos_token_id=EOS, decode=lambda ids, **_: "".join(chr(65 + i % 26) for i in ids))
     loaded = SimpleNamespace(config=config, tokenizer=tokenizer)
-    return Scheduler(loaded, ServerArgs(**args), engine_factory=FakeEngine)
+    return Scheduler(loaded, ServerArgs(**args), engine_factory=engine_factory)
 
 
 def make_req(rid: str, prompt_len: int, max_new_tokens: int = 8, first_token: int = 20, **params) -> Req:
@@ -260,4 +283,36 @@ def test_a_huge_max_new_tokens_does_not_starve_the_queue():
     assert not greedy.finished
     sched.abort("greedy")
     run_to_end(sched)
+    assert_no_leak(sched)
+
+
+def test_ngram_drafting_pauses_where_nothing_copies_and_resumes_where_it_does():
+    """An output that first chats (its n-gram drafts are wrong, or there are none) and then
+    copies the prompt: drafting stops after a few verify steps that accept nothing, comes back
+    and keeps going once the drafts are accepted. Steps without drafts overlap; verify steps
+    run in lockstep. The output is the model's either way."""
+    sched = make_scheduler(CopyingEngine, speculative_algorithm="ngram", speculative_num_draft_tokens=4)
+    sched.overlap = True
+    prompt = list(range(30, 54))
+    chat = [t for i in range(15) for t in (30, 3 + i)]  # after each 30, n-gram drafts what followed the last 30
+    copy = prompt * 2
+    req = Req(rid="chat-then-copy", origin_input_ids=prompt,
+              sampling_params=SamplingParams(max_new_tokens=len(chat) + len(copy), temperature=0.0))
+    CopyingEngine.OUTPUTS[req.rid] = chat + copy
+    sched.add_request(req)
+    verify_ct_in_chat = None
+    while sched.has_work or sched.pending is not None:
+        sched.step()
+        plan = sched.engine.plans[-1]
+        drafts = any(p.drafts for p in plan.parts)
+        if plan.decode or drafts:  # a plain decode step stays in flight, a verify step does not
+            assert (sched.pending is not None) == (not drafts)
+        if verify_ct_in_chat is None and len(req.output_ids) >= len(chat):
+            verify_ct_in_chat = req.spec_verify_ct
+    assert req.output_ids == chat + copy
+    assert verify_ct_in_chat <= 4, "drafting went on where it did not pay"
+    copied_verify_ct = req.spec_verify_ct - verify_ct_in_chat
+    assert 0 < copied_verify_ct <= len(copy) // 4, "drafting did not resume where the output copies"
+    info = sched.server_info()["overlap"]
+    assert info["enabled"] and info["overlapped_steps"] >= len(chat) - 10
     assert_no_leak(sched)
