@@ -10,6 +10,7 @@ import torch
 
 from radixlm.srt.executor.speculative import verify_drafts
 from radixlm.srt.sampling_params import SamplingParams
+from radixlm.srt.scheduler.draft_pacing import DraftPacing
 from radixlm.srt.scheduler.ngram import propose_ngram
 from radixlm.srt.scheduler.request import Req
 
@@ -47,6 +48,28 @@ def test_ngram_proposals():
     assert propose_ngram([1, 2, 1, 2, 1, 2], 4) == [1, 2]
 
 
+def pauses(pacing: DraftPacing, outcomes) -> list[int]:
+    """The pause after each outcome: a verify step's accepted drafts, or None for no draft."""
+    got = []
+    for accepted in outcomes:
+        pacing.no_draft() if accepted is None else pacing.verified(accepted)
+        got.append(pacing.backoff)
+        while not pacing.due:
+            pacing.skipped()
+    return got
+
+
+def test_drafting_pauses_double_while_it_does_not_pay():
+    pacing = DraftPacing()
+    assert pauses(pacing, [0, 0, 0, 0, 0, 0, 0]) == [4, 8, 16, 32, 64, 64, 64]
+    # After a pause a step is judged on its own; one that pays (a draft accepted) forgets the
+    # failures, and the running average carries a bad step after a good one.
+    assert pauses(pacing, [1, 0, 4, 0, 0, 0]) == [0, 4, 0, 0, 4, 8]
+    # Nothing to draft costs no verify forward: no pause at first, then 1, 2, 4, ... up to 16.
+    assert pauses(pacing, [None] * 8) == [0, 1, 2, 4, 8, 16, 16, 16]
+    assert pauses(pacing, [2, None, None]) == [0, 0, 1]
+
+
 def test_greedy_output_is_unchanged_and_copying_takes_fewer_forwards(engine, spec_engine):
     plain = run_reqs(engine, PROMPTS)
     fast = run_reqs(spec_engine, PROMPTS)
@@ -65,6 +88,27 @@ def test_engine_generate_with_speculation_matches(engine, spec_engine):
     fast = spec_engine.generate(PROMPTS, params)
     assert [o["text"] for o in fast] == [o["text"] for o in engine.generate(PROMPTS, params)]
     assert fast[0]["meta_info"]["spec_verify_ct"] > 0
+
+
+def test_chat_drafts_seldom_and_its_plain_steps_overlap(engine, spec_engine):
+    """Ordinary chat copies little: drafting pauses, and the decode steps in which no one
+    drafts run overlapped (here forced on, as on a GPU). Greedy output as without speculation."""
+    prompt = "<|im_start|>user\nWhy is the sky blue?<|im_end|>\n<|im_start|>assistant\n"
+    params = {"temperature": 0, "max_new_tokens": 48, "ignore_eos": True}
+    sched = spec_engine.scheduler
+    before = sched.server_info()["overlap"]
+    sched.overlap = True
+    try:
+        out = spec_engine.generate(prompt, params)
+    finally:
+        sched.overlap = False
+    after = sched.server_info()["overlap"]
+    assert out["output_ids"] == engine.generate(prompt, params)["output_ids"]
+    verify_ct = out["meta_info"]["spec_verify_ct"]
+    assert 0 < verify_ct <= 48 // 6, verify_ct
+    steps = after["steps"] - before["steps"]
+    assert after["overlapped_steps"] - before["overlapped_steps"] >= steps // 3, (before, after)
+    assert sched.kv_stats()["leaked"] == 0
 
 
 @pytest.mark.parametrize("page_size", [1, 4])
