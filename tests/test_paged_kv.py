@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from radixlm.srt.executor.attention.flashinfer_backend import _as_pages
+from radixlm.srt.executor.attention.paged_kv import as_pages
 from radixlm.srt.executor.attention.paged_kv import build_paged_kv, qo_indptr_for
 from radixlm.srt.scheduler.kv_memory import PageAllocator
 
@@ -36,7 +36,7 @@ def test_page_tables_read_back_every_requests_kv(page_size):
         table[row, :n] = torch.tensor(slots)
     kv = build_paged_kv(table, rows, seq_lens, page_size)
     assert kv.indptr.dtype == kv.indices.dtype == kv.last_page_len.dtype == torch.int32
-    pages = _as_pages(k_buf, page_size)
+    pages = as_pages(k_buf, page_size)
     for i, (row, n) in enumerate(zip(rows, seq_lens)):
         expected = k_buf[:, table[row, :n]]
         assert torch.equal(_tokens_from_pages(kv, pages, page_size, i), expected)

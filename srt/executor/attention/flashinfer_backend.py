@@ -27,12 +27,12 @@ import numpy as np
 import torch
 
 from radixlm.srt.executor.attention.base import DEFAULT_GRAPH_VARIANT, AttentionBackend
-from radixlm.srt.executor.attention.fp8_decode import Fp8DecodeTables, fp8_num_splits, fp8_paged_decode
+from radixlm.srt.executor.attention.fp8_decode import Fp8DecodeTables, load_fp8_tables
 from radixlm.srt.executor.attention.cascade_groups import CASCADE_MIN_PREFIX, CascadeGroups, find_groups
 from radixlm.srt.executor.attention.flashinfer_cascade import (  # noqa: F401 (tests import the tables from here)
     GraphCascade, _CascadeStep, cascade_page_tables, graph_cascade_tables, graph_prefix_segments)
 from radixlm.srt.executor.attention.layer_spec import LOGIT_SOFTCAP, SLIDING_WINDOW, LayerAttention
-from radixlm.srt.executor.attention.paged_kv import PagedKV, build_paged_kv, qo_indptr_for
+from radixlm.srt.executor.attention.paged_kv import PagedKV, as_pages, build_paged_kv, qo_indptr_for
 from radixlm.srt.executor.forward_batch import ForwardBatch
 from radixlm.srt.executor.mem_pool import KVPool
 
@@ -109,7 +109,7 @@ class FlashInferBackend(AttentionBackend):
                                                                    backend=_BACKEND))
             for window in self._windows if window != -1}
         cascade = cascade and self._windows == [-1]
-        self.kv_pages = [(_as_pages(k, page_size), _as_pages(v, page_size))
+        self.kv_pages = [(as_pages(k, page_size), as_pages(v, page_size))
                          for k, v in zip(kv_pool.k_buffers, kv_pool.v_buffers)]
         self._wrappers: dict[int, object] = {}  # this batch's planned wrapper per window_left
         self._out_cache_loc: torch.Tensor | None = None
@@ -171,7 +171,7 @@ class FlashInferBackend(AttentionBackend):
             else:
                 kv = build_paged_kv(self.req_to_token, batch.req_pool_indices_cpu, batch.seq_lens_cpu, self.page_size)
                 if self._fp8_decode:
-                    self._fp8_tables = self._load_fp8_tables(kv)
+                    self._fp8_tables = load_fp8_tables(kv, self.device, self.num_kv_heads, self._sm_count)
                 else:
                     for window in self._windows:
                         self._plan_decode(self._wrapper_for(window, decode=True), kv, window)
@@ -233,30 +233,6 @@ class FlashInferBackend(AttentionBackend):
                      self.page_size, window_left=window_left, logits_soft_cap=self.softcap, sm_scale=self.scale,
                      q_data_type=self.dtype, kv_data_type=self.kv_dtype)
         self._wrappers[window_left] = wrapper
-
-    def _load_fp8_tables(self, kv: PagedKV, meta: torch.Tensor | None = None,
-                         indices: torch.Tensor | None = None) -> Fp8DecodeTables:
-        """Copies the page tables to the device for fp8_paged_decode: into `meta` (indptr, then
-        last_page_len) and `indices` when given (a graph's fixed buffers), else new tensors.
-        From pinned memory, so the copies queue behind the running step instead of waiting for it
-        (torch's pinned allocator keeps each buffer until its copy is done)."""
-        batch = kv.last_page_len.numel()
-        host_meta = torch.cat([kv.indptr, kv.last_page_len]).to(torch.int32).pin_memory()
-        host_indices = kv.indices.to(torch.int32).pin_memory()
-        if meta is None:
-            meta = torch.empty(2 * batch + 1, dtype=torch.int32, device=self.device)
-            indices = torch.empty(max(1, host_indices.numel()), dtype=torch.int32, device=self.device)
-        meta[:2 * batch + 1].copy_(host_meta, non_blocking=True)
-        indices[:host_indices.numel()].copy_(host_indices, non_blocking=True)
-        splits = fp8_num_splits(batch, self.num_kv_heads, self._sm_count)
-        return Fp8DecodeTables(meta[:batch + 1], indices, meta[batch + 1:2 * batch + 1], splits)
-
-    def _fp8_forward(self, q: torch.Tensor, layer_id: int) -> torch.Tensor:
-        t = self._fp8_tables
-        out = fp8_paged_decode(q, self.kv_pool.k_buffers[layer_id], self.kv_pool.v_buffers[layer_id], t.indptr,
-                               t.indices, t.last_page_len, self.page_size, self.scale, self.kv_pool.k_scale,
-                               self.kv_pool.v_scale, t.splits)
-        return out.view(q.shape[0], -1)
 
     # ---- CUDA graphs (the AttentionBackend hooks; see base.py for the order and invariants) ----
 
@@ -403,7 +379,8 @@ class FlashInferBackend(AttentionBackend):
         self._planning()
         rows, seq_lens = (batch.req_pool_indices_cpu, batch.seq_lens_cpu) if batch is not None else ([], [])
         kv = build_paged_kv(self.req_to_token, rows, seq_lens, self.page_size, padded_size)
-        self._fp8_tables = self._load_fp8_tables(kv, self._fp8_graph_meta, self._graph_page_indices)
+        self._fp8_tables = load_fp8_tables(kv, self.device, self.num_kv_heads, self._sm_count, self._fp8_graph_meta,
+                                           self._graph_page_indices)
         self._wrappers = {}
         self._cascade = None
         self._groups_of = None
@@ -415,7 +392,7 @@ class FlashInferBackend(AttentionBackend):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int) -> torch.Tensor:
         self.kv_pool.store(layer_id, self._out_cache_loc, k, v)
         if self._fp8_tables is not None:
-            return self._fp8_forward(q, layer_id)
+            return self._fp8_tables.attend(q, self.kv_pool, layer_id, self.page_size, self.scale).view(q.shape[0], -1)
         if self._cascade is not None:
             return self._cascade_forward(q, self.kv_pages[layer_id])
         out = self._wrappers[self._layer_window[layer_id]].run(q, self.kv_pages[layer_id], **self._kv_scales)
@@ -437,9 +414,3 @@ class FlashInferBackend(AttentionBackend):
         if step.inverse is not None:
             out = out.index_select(0, step.inverse)
         return out.view(out.shape[0], -1)
-
-
-def _as_pages(buf: torch.Tensor, page_size: int) -> torch.Tensor:
-    """[Hkv, slots, D] -> [num_pages, Hkv, page_size, D] as a strided view (no copy)."""
-    num_kv_heads, num_slots, head_dim = buf.shape
-    return buf.view(num_kv_heads, num_slots // page_size, page_size, head_dim).permute(1, 0, 2, 3)

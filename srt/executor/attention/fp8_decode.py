@@ -113,6 +113,11 @@ class Fp8DecodeTables(NamedTuple):
     last_page_len: torch.Tensor
     splits: int
 
+    def attend(self, q: torch.Tensor, kv_pool, layer_id: int, page_size: int, sm_scale: float) -> torch.Tensor:
+        """q [B, Hq, D] against layer `layer_id` of the FP8 KVPool, with its K/V scales."""
+        return fp8_paged_decode(q, kv_pool.k_buffers[layer_id], kv_pool.v_buffers[layer_id], self.indptr, self.indices,
+                                self.last_page_len, page_size, sm_scale, kv_pool.k_scale, kv_pool.v_scale, self.splits)
+
 
 def fp8_num_splits(batch_size: int, num_kv_heads: int, sm_count: int) -> int:
     """Splits per request: enough programs for about two per SM, a power of two up to MAX_SPLITS."""
@@ -120,6 +125,24 @@ def fp8_num_splits(batch_size: int, num_kv_heads: int, sm_count: int) -> int:
     while batch_size * num_kv_heads * splits < 2 * sm_count and splits < MAX_SPLITS:
         splits *= 2
     return splits
+
+
+def load_fp8_tables(kv, device: torch.device, num_kv_heads: int, sm_count: int, meta: torch.Tensor | None = None,
+                    indices: torch.Tensor | None = None) -> Fp8DecodeTables:
+    """A step's page tables (paged_kv.PagedKV, host int32) copied to the device: into `meta`
+    (indptr, then last_page_len) and `indices` when given (a CUDA graph's fixed buffers), else
+    into new tensors. From pinned memory, so the copies queue behind the running step instead of
+    waiting for it (torch's pinned allocator keeps each buffer until its copy is done)."""
+    batch = kv.last_page_len.numel()
+    host_meta = torch.cat([kv.indptr, kv.last_page_len]).to(torch.int32).pin_memory()
+    host_indices = kv.indices.to(torch.int32).pin_memory()
+    if meta is None:
+        meta = torch.empty(2 * batch + 1, dtype=torch.int32, device=device)
+        indices = torch.empty(max(1, host_indices.numel()), dtype=torch.int32, device=device)
+    meta[:2 * batch + 1].copy_(host_meta, non_blocking=True)
+    indices[:host_indices.numel()].copy_(host_indices, non_blocking=True)
+    return Fp8DecodeTables(meta[:batch + 1], indices, meta[batch + 1:2 * batch + 1],
+                           fp8_num_splits(batch, num_kv_heads, sm_count))
 
 
 def fp8_paged_decode(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, indptr: torch.Tensor,

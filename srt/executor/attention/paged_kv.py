@@ -59,3 +59,9 @@ def qo_indptr_for(extend_lens_cpu: list[int]) -> torch.Tensor:
     out = torch.zeros(len(extend_lens_cpu) + 1, dtype=torch.int32)
     torch.cumsum(torch.tensor(extend_lens_cpu, dtype=torch.int32), 0, out=out[1:])
     return out
+
+
+def as_pages(buf: torch.Tensor, page_size: int) -> torch.Tensor:
+    """[Hkv, slots, D] -> [num_pages, Hkv, page_size, D] as a strided view (no copy)."""
+    num_kv_heads, num_slots, head_dim = buf.shape
+    return buf.view(num_kv_heads, num_slots // page_size, page_size, head_dim).permute(1, 0, 2, 3)
