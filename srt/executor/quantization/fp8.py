@@ -1,8 +1,10 @@
 """FP8 weights (`--quantization fp8`): after a bf16/fp16/fp32 checkpoint is loaded, each linear
 projection of the decoder layers (qkv, o, gate_up, down) becomes an `Fp8Linear`: e4m3 weights
 with one scale per output channel, activations quantized per token at run time, and the GEMM
-through `torch._scaled_mm` (cuBLAS/CUTLASS on Hopper, a reference kernel on CPU). Embeddings,
-the LM head, norms and MoE routers stay in the model dtype; MoE experts are refused.
+through `torch._scaled_mm` (cuBLAS/CUTLASS on Hopper, a reference kernel on CPU). On CUDA,
+batches of up to GEMV_MAX_ROWS rows (decode) instead run fp8_gemv.py, which streams the weights
+at bandwidth and leaves the activations unquantized. Embeddings, the LM head, norms and MoE
+routers stay in the model dtype; MoE experts are refused.
 
 Per-channel weight scales and per-token activation scales: both are "row-wise" scales of
 _scaled_mm, so one GEMM applies them (out[m, n] = acc[m, n] * sa[m] * sb[n]) with no host sync
