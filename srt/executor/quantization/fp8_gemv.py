@@ -117,6 +117,7 @@ def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
+@functools.lru_cache(maxsize=None)  # called per projection per eager step: a few shapes
 def gemv_config(rows: int, n: int, k: int, sm_count: int) -> GemvConfig:
     """Tiles for `rows` rows times an [N, K] weight: enough programs to keep every SM streaming
     (split K when the output channels alone give too few)."""
