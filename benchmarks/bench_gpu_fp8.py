@@ -285,6 +285,7 @@ def parse_args(argv=None):
     parser.add_argument("--max-running-requests", type=int, default=512)
     parser.add_argument("--cuda-graph-max-bs", type=int, default=512)
     parser.add_argument("--chunked-prefill-size", type=int, default=16384)
+    parser.add_argument("--page-size", type=int, default=1, help="tokens per KV page, for every engine of the run")
     args = parser.parse_args(argv)
     suites = [s for s in args.suites.split(",") if s]
     unknown = sorted(set(suites) - set(SUITES))
@@ -304,7 +305,8 @@ def main() -> None:
         from radixlm.srt import Engine
 
         settings = dict(max_running_requests=args.max_running_requests, cuda_graph_max_bs=args.cuda_graph_max_bs,
-                        chunked_prefill_size=args.chunked_prefill_size, max_prefill_tokens=args.chunked_prefill_size)
+                        chunked_prefill_size=args.chunked_prefill_size, max_prefill_tokens=args.chunked_prefill_size,
+                        page_size=args.page_size)
         settings.update(overrides)
         return Engine(str(CONFIG), load_format="dummy", tokenizer_path=tokenizer, **settings)
 

@@ -225,12 +225,14 @@ import random, torch
 from radixlm.srt.executor.attention.fp8_decode import fp8_paged_decode
 torch.manual_seed(0); rng = random.Random(0)
 worst = 0.0
-for page_size, hq, hkv, lens, splits in [(1, 8, 2, [5, 70, 1], 1), (4, 8, 2, [5, 70, 1], 4), (2, 4, 4, [33, 129], 2), (1, 12, 4, [200], 8)]:
+fp8 = torch.float8_e4m3fn
+for page_size, hq, hkv, lens, splits, pool in [(1, 8, 2, [5, 70, 1], 1, fp8), (4, 8, 2, [5, 70, 1], 4, fp8), (2, 4, 4, [33, 129], 2, fp8),
+                                               (1, 12, 4, [200], 8, fp8), (2, 8, 2, [40, 3], 2, torch.half)]:
     d = 64
     num_pages = sum(-(-n // page_size) for n in lens) + 3
     slots = num_pages * page_size
-    k_buf = (torch.randn(hkv, slots, d) * 2).to(torch.float8_e4m3fn)
-    v_buf = (torch.randn(hkv, slots, d) * 2).to(torch.float8_e4m3fn)
+    k_buf = (torch.randn(hkv, slots, d) * 2).to(pool)
+    v_buf = (torch.randn(hkv, slots, d) * 2).to(pool)
     free = list(range(1, num_pages)); rng.shuffle(free)
     indptr, indices, last = [0], [], []
     for n in lens:
@@ -238,7 +240,7 @@ for page_size, hq, hkv, lens, splits in [(1, 8, 2, [5, 70, 1], 1), (4, 8, 2, [5,
         indices += [free.pop() for _ in range(np_)]
         indptr.append(len(indices)); last.append(n - (np_ - 1) * page_size)
     q = torch.randn(len(lens), hq, d).half()
-    ks, vs = 0.5, 1.5
+    ks, vs = (0.5, 1.5) if pool == fp8 else (1.0, 1.0)
     out = fp8_paged_decode(q, k_buf, v_buf, torch.tensor(indptr, dtype=torch.int32), torch.tensor(indices, dtype=torch.int32),
                            torch.tensor(last, dtype=torch.int32), page_size, d ** -0.5, ks, vs, splits=splits).float()
     for b, n in enumerate(lens):
@@ -258,7 +260,8 @@ def test_fp8_paged_decode_kernel_in_the_triton_interpreter():
     """The FP8-KV decode attention kernel (used by the FlashInfer backend on CUDA) against plain
     attention over the dequantized pages: pages of 1, 2 and 4 tokens in shuffled order, GQA groups
     of 1, 3 and 4, one to eight splits (with empty ones past a short request's end), K and V
-    scales; fp16 queries, as the interpreter multiplies bf16 as raw bits."""
+    scales; and an fp16 pool, read without widening; fp16 queries, as the interpreter multiplies
+    bf16 as raw bits."""
     import os
     import subprocess
     import sys
