@@ -1,9 +1,10 @@
-"""FlashInfer decode attention variants on one H200, Llama-3.1-8B attention shape (32 query heads,
-8 KV heads, head_dim 128, bf16 queries, bf16 or FP8 KV, pages of 1 or more): microseconds per layer, 32 layers with their own KV
-replayed from one CUDA graph, as a decode step runs them. The baseline is FlashInfer's
-tensor-core decode (split-KV as FlashInfer plans it), measured in the same run; `triton` is
-the engine's own kernel for FP8 pools (srt/executor/attention/fp8_decode.py), also timed over
-bf16 pools.
+"""Decode attention on one H200, Llama-3.1-8B attention shape (32 query heads, 8 KV heads,
+head_dim 128, bf16 queries, bf16 or FP8 KV, pages of 1 or more, scattered as a busy pool has
+them): microseconds per layer, 32 layers with their own KV replayed from one CUDA graph, as a
+decode step runs them. The baseline is FlashInfer's tensor-core decode (split-KV as FlashInfer
+plans it), measured in the same run; `triton` is the engine's own decode kernel
+(srt/executor/attention/triton_decode.py) with the tiles and split count the engine picks, and
+--triton-sweep times other tiles and split counts (to choose the engine's).
 
     python benchmarks/bench_gpu_decode_attention.py --out benchmarks/results/gpu_h200.jsonl
 """
@@ -24,48 +25,59 @@ from bench_gpu_llama8b import Reporter  # noqa: E402
 HEADS, KV_HEADS, HEAD_DIM, LAYERS = 32, 8, 128, 32
 VARIANTS = {"tensor_cores": (True, False), "tensor_cores_no_split": (True, True), "cuda_cores": (False, False),
             "cuda_cores_no_split": (False, True)}
+SWEEP_TILES = list(itertools.product((32, 64, 128), (4, 8), (2, 3)))
+SWEEP_SPLIT_FACTORS = (1, 2, 4)
 
 
-def layer_us(batch: int, kv_len: int, variant: str, kv_dtype: torch.dtype, tiles=(128, 4, 3),
-             page_size: int = 1) -> float:
-    device = torch.device("cuda")
-    pages_per_req = -(-kv_len // page_size)
-    pages = batch * pages_per_req
-    q = torch.randn(batch, HEADS, HEAD_DIM, device=device, dtype=torch.bfloat16)
-    indptr = torch.arange(batch + 1, dtype=torch.int32, device=device) * pages_per_req
-    indices = torch.randperm(pages, device=device).to(torch.int32)  # scattered pages, as a busy pool has
-    last = torch.full((batch,), kv_len - (pages_per_req - 1) * page_size, dtype=torch.int32, device=device)
-    if variant == "triton":  # the engine's kernel for FP8 pools (head-major pool, as KVPool holds it)
-        from radixlm.srt.executor.attention.fp8_decode import fp8_paged_decode
+class Case:
+    """One batch's queries and page tables, and LAYERS layers of head-major K/V pools
+    ([Hkv, slots, D], as KVPool holds them; FlashInfer reads them as HND pages by strides)."""
 
+    def __init__(self, batch: int, kv_len: int, kv_dtype: torch.dtype, page_size: int):
+        from radixlm.srt.executor.attention.paged_kv import as_pages
+
+        device = torch.device("cuda")
+        self.batch, self.page_size, self.kv_dtype = batch, page_size, kv_dtype
+        pages_per_req = -(-kv_len // page_size)
+        pages = batch * pages_per_req
+        self.q = torch.randn(batch, HEADS, HEAD_DIM, device=device, dtype=torch.bfloat16)
+        self.indptr = torch.arange(batch + 1, dtype=torch.int32, device=device) * pages_per_req
+        self.indices = torch.randperm(pages, device=device).to(torch.int32)
+        self.last = torch.full((batch,), kv_len - (pages_per_req - 1) * page_size, dtype=torch.int32, device=device)
         slots = pages * page_size
-        pools = [(torch.randn(KV_HEADS, slots, HEAD_DIM, device=device).to(kv_dtype),
-                  torch.randn(KV_HEADS, slots, HEAD_DIM, device=device).to(kv_dtype)) for _ in range(LAYERS)]
+        self.pools = [(torch.randn(KV_HEADS, slots, HEAD_DIM, device=device).to(kv_dtype),
+                       torch.randn(KV_HEADS, slots, HEAD_DIM, device=device).to(kv_dtype)) for _ in range(LAYERS)]
+        self.pages = [(as_pages(k, page_size), as_pages(v, page_size)) for k, v in self.pools]
+
+    def triton_us(self, tiles=None, splits=None) -> float:
+        from radixlm.srt.executor.attention.triton_decode import paged_decode
 
         def step():
-            for k, v in pools:
-                fp8_paged_decode(q, k, v, indptr, indices, last, page_size, HEAD_DIM ** -0.5, tiles=tiles)
+            for k, v in self.pools:
+                paged_decode(self.q, k, v, self.indptr, self.indices, self.last, self.page_size, HEAD_DIM ** -0.5,
+                             splits=splits, tiles=tiles)
 
         return graph_us(step)
-    import flashinfer
 
-    tensor_cores, no_split = VARIANTS[variant]
-    kv = [(torch.randn(pages, KV_HEADS, page_size, HEAD_DIM, device=device).to(kv_dtype),
-           torch.randn(pages, KV_HEADS, page_size, HEAD_DIM, device=device).to(kv_dtype)) for _ in range(LAYERS)]
-    workspace = torch.zeros(256 << 20, dtype=torch.uint8, device=device)
-    wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-        workspace, "HND", use_cuda_graph=True, use_tensor_cores=tensor_cores, paged_kv_indptr_buffer=indptr.clone(),
-        paged_kv_indices_buffer=indices.clone(), paged_kv_last_page_len_buffer=last.clone(), backend="fa2")
-    extra = {"disable_split_kv": True} if no_split else {}
-    wrapper.plan(indptr, indices, last, HEADS, KV_HEADS, HEAD_DIM, page_size, q_data_type=torch.bfloat16,
-                 kv_data_type=kv_dtype, **extra)
-    out = torch.empty_like(q)
+    def flashinfer_us(self, variant: str) -> float:
+        import flashinfer
 
-    def step():
-        for k, v in kv:
-            wrapper.run(q, (k, v), out=out)
+        tensor_cores, no_split = VARIANTS[variant]
+        workspace = torch.zeros(256 << 20, dtype=torch.uint8, device=self.q.device)
+        wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+            workspace, "HND", use_cuda_graph=True, use_tensor_cores=tensor_cores,
+            paged_kv_indptr_buffer=self.indptr.clone(), paged_kv_indices_buffer=self.indices.clone(),
+            paged_kv_last_page_len_buffer=self.last.clone(), backend="fa2")
+        extra = {"disable_split_kv": True} if no_split else {}
+        wrapper.plan(self.indptr, self.indices, self.last, HEADS, KV_HEADS, HEAD_DIM, self.page_size,
+                     q_data_type=torch.bfloat16, kv_data_type=self.kv_dtype, **extra)
+        out = torch.empty_like(self.q)
 
-    return graph_us(step)
+        def step():
+            for pages in self.pages:
+                wrapper.run(self.q, pages, out=out)
+
+        return graph_us(step)
 
 
 def graph_us(step) -> float:
@@ -95,36 +107,45 @@ def main() -> None:
     parser.add_argument("--batch-sizes", default="1,8,64,256")
     parser.add_argument("--kv-lens", default="256,1024,2048")
     parser.add_argument("--kv-dtypes", default="bf16,fp8_e4m3")
+    parser.add_argument("--page-sizes", default="1")
     # FlashInfer 0.6.11: FP8 KV with disable_split_kv in graph mode fails with a CUDA error that
     # poisons the process (cudaErrorInvalidAddressSpace), so leave the *_no_split variants out there.
-    parser.add_argument("--page-sizes", default="1")
     parser.add_argument("--variants", default=",".join([*VARIANTS, "triton"]))
-    parser.add_argument("--triton-sweep", action="store_true", help="also time tile choices of the FP8 kernel")
+    parser.add_argument("--triton-sweep", action="store_true", help="also time other tiles and split counts")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
+    from radixlm.srt.executor.attention.triton_decode import decode_num_splits
+
     rep = Reporter(args.out, "python " + shlex.join(sys.argv))
     dtypes = {"bf16": torch.bfloat16, "fp8_e4m3": torch.float8_e4m3fn}
+    sm_count = torch.cuda.get_device_properties(0).multi_processor_count
     for page_size, kv_name, batch, kv_len in itertools.product(args.page_sizes.split(","), args.kv_dtypes.split(","),
                                                                args.batch_sizes.split(","), args.kv_lens.split(",")):
         page_size, batch, kv_len = int(page_size), int(batch), int(kv_len)
+        case = Case(batch, kv_len, dtypes[kv_name], page_size)
         us = {}
         for name in args.variants.split(","):
             try:
-                us[name] = round(layer_us(batch, kv_len, name, dtypes[kv_name], page_size=page_size), 2)
+                us[name] = round(case.triton_us() if name == "triton" else case.flashinfer_us(name), 2)
             except Exception as e:  # a variant this FlashInfer does not offer
                 us[name] = f"{type(e).__name__}: {str(e)[:120]}"
+        line = {"bench": "gpu_decode_attention", "kv_dtype": kv_name, "page_size": page_size, "batch": batch,
+                "kv_len": kv_len, "us_per_layer": us}
         if args.triton_sweep:
-            for tiles in itertools.product((32, 64, 128), (4, 8), (2, 3, 4)):
+            base_splits = decode_num_splits(batch, KV_HEADS, sm_count)
+            sweep = {}
+            for tiles, factor in itertools.product(SWEEP_TILES, SWEEP_SPLIT_FACTORS):
+                splits = base_splits * factor
                 try:
-                    us[f"triton_{tiles[0]}_{tiles[1]}_{tiles[2]}"] = round(
-                        layer_us(batch, kv_len, "triton", dtypes[kv_name], tiles, page_size), 2)
+                    sweep["_".join(map(str, (*tiles, splits)))] = round(case.triton_us(tiles, splits), 2)
                 except Exception as e:  # a tile that does not fit: skip it
-                    print(f"# {tiles}: {type(e).__name__}", flush=True)
+                    print(f"# {tiles} x {splits} splits: {type(e).__name__}", flush=True)
+            best = min(sweep, key=sweep.get)
+            line.update(triton_sweep_block_warps_stages_splits=sweep, triton_best=best, triton_best_us=sweep[best])
+        del case
+        torch.cuda.empty_cache()
         base = us["tensor_cores"]
-        rep.emit({"bench": "gpu_decode_attention", "kv_dtype": kv_name, "page_size": page_size, "batch": batch,
-                  "kv_len": kv_len,
-                  "us_per_layer": us,
-                  "baseline": "tensor_cores (the engine's decode wrapper), measured in this run",
+        rep.emit({**line, "baseline": "tensor_cores (FlashInfer, the engine's decode wrapper), measured in this run",
                   "speedup_vs_baseline": {k: round(base / v, 3) for k, v in us.items()
                                           if isinstance(v, float) and isinstance(base, float)}})
 

@@ -222,7 +222,7 @@ def test_fp8_gemv_kernel_in_the_triton_interpreter():
 
 FP8_DECODE_CHECK = """
 import random, torch
-from radixlm.srt.executor.attention.fp8_decode import fp8_paged_decode
+from radixlm.srt.executor.attention.triton_decode import paged_decode
 torch.manual_seed(0); rng = random.Random(0)
 worst = 0.0
 fp8 = torch.float8_e4m3fn
@@ -241,7 +241,7 @@ for page_size, hq, hkv, lens, splits, pool in [(1, 8, 2, [5, 70, 1], 1, fp8), (4
         indptr.append(len(indices)); last.append(n - (np_ - 1) * page_size)
     q = torch.randn(len(lens), hq, d).half()
     ks, vs = (0.5, 1.5) if pool == fp8 else (1.0, 1.0)
-    out = fp8_paged_decode(q, k_buf, v_buf, torch.tensor(indptr, dtype=torch.int32), torch.tensor(indices, dtype=torch.int32),
+    out = paged_decode(q, k_buf, v_buf, torch.tensor(indptr, dtype=torch.int32), torch.tensor(indices, dtype=torch.int32),
                            torch.tensor(last, dtype=torch.int32), page_size, d ** -0.5, ks, vs, splits=splits).float()
     for b, n in enumerate(lens):
         pages = indices[indptr[b]:indptr[b + 1]]
@@ -256,7 +256,7 @@ print(worst)
 """
 
 
-def test_fp8_paged_decode_kernel_in_the_triton_interpreter():
+def test_paged_decode_kernel_in_the_triton_interpreter():
     """The FP8-KV decode attention kernel (used by the FlashInfer backend on CUDA) against plain
     attention over the dequantized pages: pages of 1, 2 and 4 tokens in shuffled order, GQA groups
     of 1, 3 and 4, one to eight splits (with empty ones past a short request's end), K and V

@@ -4,8 +4,9 @@ The KV pool stays head-major ([Hkv, slots, D] per layer). Viewed as pages that i
 [Hkv, num_pages, page_size, D]; permuted to [num_pages, Hkv, page_size, D] it is FlashInfer's
 HND layout with a head stride of `slots * D`, which its kernels accept (they read strides).
 Extend batches use the paged prefill kernel with a causal mask aligned to each request's end,
-so cached prefixes and new tokens are one KV sequence; decode uses the tensor-core decode
-kernel (GQA groups share K/V loads). FA2 kernels throughout: they compile in ~30 s on a fresh
+so cached prefixes and new tokens are one KV sequence; plain decode steps run our Triton kernel
+(triton_decode.py), and cascade steps and layers with windows or soft-caps FlashInfer's
+tensor-core decode kernel (GQA groups share K/V loads). FA2 kernels throughout: they compile in ~30 s on a fresh
 machine, FA3 in ~100 s.
 
 Cascade decode: requests holding the same KV slots for a long prefix (cascade_groups.py) are
@@ -27,7 +28,7 @@ import numpy as np
 import torch
 
 from radixlm.srt.executor.attention.base import DEFAULT_GRAPH_VARIANT, AttentionBackend
-from radixlm.srt.executor.attention.fp8_decode import Fp8DecodeTables, load_fp8_tables
+from radixlm.srt.executor.attention.triton_decode import DecodeTables, load_decode_tables
 from radixlm.srt.executor.attention.cascade_groups import CASCADE_MIN_PREFIX, CascadeGroups, find_groups
 from radixlm.srt.executor.attention.flashinfer_cascade import (  # noqa: F401 (tests import the tables from here)
     GraphCascade, _CascadeStep, cascade_page_tables, graph_cascade_tables, graph_prefix_segments)
@@ -55,7 +56,7 @@ CASCADE_EAGER_MIN_SAVED_BYTES = 32 << 20
 # Decode buckets this large get a second CUDA graph, with cascade attention (smaller batches
 # rarely share enough to matter, and each graph adds ~1.5 s of start-up capture).
 CASCADE_GRAPH_MIN_BS = 64
-FP8_GRAPH_HANDLE = "fp8_decode"  # a plain decode graph over an FP8 pool: its tables, not wrappers
+TRITON_GRAPH_HANDLE = "triton_decode"  # a plain decode graph of triton_decode.py: its tables, not wrappers
 CASCADE_GRAPH_VARIANT = "cascade"  # that graph's name in the AttentionBackend graph hooks
 # A cascade graph costs four small kernels per layer more than the plain one (~15 us).
 CASCADE_IN_GRAPH_MIN_SAVED_BYTES = 64 << 20
@@ -121,14 +122,14 @@ class FlashInferBackend(AttentionBackend):
         self._graph_window_page_indices: dict[int, torch.Tensor] = {}
         self.cascade = cascade
         self._kv_bytes_per_token = 2 * num_kv_heads * head_dim * self.kv_dtype.itemsize  # K and V, one layer
-        # Plain decode steps over an FP8 pool run fp8_decode.py's Triton kernel: FlashInfer's FP8
-        # decode reads FP8 pages no faster than bf16 ones. Windows and soft-caps stay on FlashInfer.
-        self._fp8_decode = (self.kv_dtype == torch.float8_e4m3fn and self.device.type == "cuda"
-                            and self._windows == [-1] and not self.softcap and head_dim >= 16
-                            and head_dim & (head_dim - 1) == 0)
-        self._sm_count = torch.cuda.get_device_properties(self.device).multi_processor_count if self._fp8_decode else 0
-        self._fp8_tables: Fp8DecodeTables | None = None  # this decode step's page tables on the device
-        self._fp8_graph_meta: torch.Tensor | None = None  # graph buckets' indptr | last_page_len
+        # Plain decode steps run triton_decode.py's kernel: faster than FlashInfer's decode at
+        # every batch and length measured, and it reads FP8 pools faster than bf16 ones (its
+        # docstring). Windows, soft-caps and cascade steps stay on FlashInfer.
+        self._triton_decode = (self.device.type == "cuda" and self._windows == [-1] and not self.softcap
+                               and head_dim >= 16 and head_dim & (head_dim - 1) == 0)
+        self._sm_count = torch.cuda.get_device_properties(self.device).multi_processor_count if self._triton_decode else 0
+        self._decode_tables: DecodeTables | None = None  # this decode step's page tables on the device
+        self._decode_graph_meta: torch.Tensor | None = None  # graph buckets' indptr | last_page_len
         self._cascade: _CascadeStep | None = None  # this batch's cascade plan, None for a plain step
         self._groups_of: tuple[ForwardBatch, CascadeGroups | None] | None = None  # from prefers_eager
         if cascade:
@@ -162,7 +163,7 @@ class FlashInferBackend(AttentionBackend):
         self._planning()
         self._cascade = None
         self._wrappers = {}
-        self._fp8_tables = None
+        self._decode_tables = None
         if batch.is_decode:
             groups = self._decode_groups(batch)
             self._groups_of = None
@@ -170,8 +171,8 @@ class FlashInferBackend(AttentionBackend):
                 self._plan_cascade(batch, groups)
             else:
                 kv = build_paged_kv(self.req_to_token, batch.req_pool_indices_cpu, batch.seq_lens_cpu, self.page_size)
-                if self._fp8_decode:
-                    self._fp8_tables = load_fp8_tables(kv, self.device, self.num_kv_heads, self._sm_count)
+                if self._triton_decode:
+                    self._decode_tables = load_decode_tables(kv, self.device, self.num_kv_heads, self._sm_count)
                 else:
                     for window in self._windows:
                         self._plan_decode(self._wrapper_for(window, decode=True), kv, window)
@@ -248,8 +249,8 @@ class FlashInferBackend(AttentionBackend):
         # Each window's wrappers copy their page indices into their own buffer at plan time.
         self._graph_window_page_indices = {window: torch.zeros_like(self._graph_page_indices)
                                            for window in self._windows if window != -1}
-        if self._fp8_decode:
-            self._fp8_graph_meta = torch.zeros(2 * max_bs + 1, dtype=torch.int32, device=self.device)
+        if self._triton_decode:
+            self._decode_graph_meta = torch.zeros(2 * max_bs + 1, dtype=torch.int32, device=self.device)
 
     def cuda_graph_variants(self, bs: int) -> tuple[str, ...]:
         """Plain decode; buckets of CASCADE_GRAPH_MIN_BS and up add a cascade graph."""
@@ -262,9 +263,9 @@ class FlashInferBackend(AttentionBackend):
             handle = self._make_graph_cascade(bs, self._graph_page_indices, self._graph_prefix_page_indices)
             self._plan_graph_cascade(handle, None, bs, out_cache_loc)
             return handle
-        if self._fp8_decode:
-            self._plan_graph_fp8(None, bs, out_cache_loc)
-            return FP8_GRAPH_HANDLE
+        if self._triton_decode:
+            self._plan_graph_triton(None, bs, out_cache_loc)
+            return TRITON_GRAPH_HANDLE
         wrappers = {window: self._make_graph_decode_wrapper(bs, self._graph_window_page_indices.get(
             window, self._graph_page_indices)) for window in self._windows}
         self._plan_graph_decode(wrappers, None, bs, out_cache_loc)
@@ -277,8 +278,8 @@ class FlashInferBackend(AttentionBackend):
                                out_cache_loc: torch.Tensor) -> None:
         if variant == CASCADE_GRAPH_VARIANT:
             self._plan_graph_cascade(handle, batch, bs, out_cache_loc)
-        elif handle is FP8_GRAPH_HANDLE:
-            self._plan_graph_fp8(batch, bs, out_cache_loc)
+        elif handle is TRITON_GRAPH_HANDLE:
+            self._plan_graph_triton(batch, bs, out_cache_loc)
         else:
             self._plan_graph_decode(handle, batch, bs, out_cache_loc)
 
@@ -349,7 +350,7 @@ class FlashInferBackend(AttentionBackend):
         graph.merge_mask.copy_(both[2].bool())
         self._cascade = _CascadeStep(num_grouped, graph.order, graph.inverse, graph.decode, graph.prefix,
                                      graph.merge_mask)
-        self._fp8_tables = None
+        self._decode_tables = None
         self._groups_of = None
         self._out_cache_loc = out_cache_loc
         self._planned()
@@ -365,7 +366,7 @@ class FlashInferBackend(AttentionBackend):
         # still running; copied here first, its copy into the graph's buffer is device to device.
         kv = PagedKV(kv.indptr, kv.indices.to(self.device, non_blocking=True), kv.last_page_len)
         self._wrappers = {}
-        self._fp8_tables = None
+        self._decode_tables = None
         for window, wrapper in wrappers.items():
             self._plan_decode(wrapper, kv, window)
         self._cascade = None
@@ -373,14 +374,14 @@ class FlashInferBackend(AttentionBackend):
         self._out_cache_loc = out_cache_loc
         self._planned()
 
-    def _plan_graph_fp8(self, batch: ForwardBatch | None, padded_size: int, out_cache_loc: torch.Tensor) -> None:
-        """The FP8 decode graph of `padded_size` rows: the tables go into the fixed buffers the
+    def _plan_graph_triton(self, batch: ForwardBatch | None, padded_size: int, out_cache_loc: torch.Tensor) -> None:
+        """The Triton decode graph of `padded_size` rows: the tables go into the fixed buffers the
         captured kernels read (indptr | last_page_len and the shared page indices)."""
         self._planning()
         rows, seq_lens = (batch.req_pool_indices_cpu, batch.seq_lens_cpu) if batch is not None else ([], [])
         kv = build_paged_kv(self.req_to_token, rows, seq_lens, self.page_size, padded_size)
-        self._fp8_tables = load_fp8_tables(kv, self.device, self.num_kv_heads, self._sm_count, self._fp8_graph_meta,
-                                           self._graph_page_indices)
+        self._decode_tables = load_decode_tables(kv, self.device, self.num_kv_heads, self._sm_count,
+                                                 self._decode_graph_meta, self._graph_page_indices)
         self._wrappers = {}
         self._cascade = None
         self._groups_of = None
@@ -391,8 +392,8 @@ class FlashInferBackend(AttentionBackend):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int) -> torch.Tensor:
         self.kv_pool.store(layer_id, self._out_cache_loc, k, v)
-        if self._fp8_tables is not None:
-            return self._fp8_tables.attend(q, self.kv_pool, layer_id, self.page_size, self.scale).view(q.shape[0], -1)
+        if self._decode_tables is not None:
+            return self._decode_tables.attend(q, self.kv_pool, layer_id, self.page_size, self.scale).view(q.shape[0], -1)
         if self._cascade is not None:
             return self._cascade_forward(q, self.kv_pages[layer_id])
         out = self._wrappers[self._layer_window[layer_id]].run(q, self.kv_pages[layer_id], **self._kv_scales)

@@ -1,10 +1,13 @@
-"""Decode attention over an FP8 (e4m3) KV pool in Triton, for the FlashInfer backend.
+"""Paged decode attention in Triton, for the FlashInfer backend's plain decode steps (bf16, fp16
+or FP8 e4m3 pools).
 
-Why: FlashInfer 0.6.11's decode kernels read FP8 pages no faster than bf16 ones (batch 256 x
-1024 tokens, Llama-3.1-8B heads: 271.5 us a layer vs 270.0; benchmarks/bench_gpu_decode_attention.py),
-so an FP8 pool bought capacity but no speed. Decode attention only has to stream each request's
-K and V once: this kernel reads the e4m3 bytes, widens them to the query's dtype in registers and
-runs the two small products on tensor cores.
+Why not FlashInfer's decode kernel: on the H200 with Llama-3.1-8B heads, pages of 1, 32 layers
+from a CUDA graph (benchmarks/bench_gpu_decode_attention.py --triton-sweep, 2026-12-01), this
+kernel takes 5.3-8.2 us a layer at batch 1 (FlashInfer 9.6-12.1), 20.5 at batch 64 x 256 tokens
+(32.2) and 480.7 at 256 x 2048 (507.1, 4.5 TB/s); over an FP8 pool, which FlashInfer 0.6.11
+reads no faster than bf16 (476.8 us at 256 x 2048), it takes 373.8. Decode attention only has
+to stream each request's K and V once: the kernel reads the pool's bytes, widens FP8 in
+registers and runs the two small products on tensor cores.
 
 One program per (request, KV head, split of the sequence): the KV head's whole query group
 (padded to 16 rows, the dot's smallest tile) attends to its split with an online softmax. With
@@ -51,7 +54,7 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, indptr_ptr, indices_ptr, last_len_ptr, o
     q_heads = kv_head * GROUP + offs_g
     d = tl.arange(0, HEAD_DIM)
     q = tl.load(q_ptr + b * stride_qb + q_heads[:, None] * stride_qh + d[None, :], mask=g_mask[:, None], other=0.0)
-    if WIDEN_FP16:  # see fp8_paged_decode: scores come out of the dot already scaled
+    if WIDEN_FP16:  # see paged_decode: scores come out of the dot already scaled
         q = (q.to(tl.float32) * qk_scale).to(tl.float16)
         score_scale = 1.0
     else:
@@ -111,7 +114,7 @@ def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-class Fp8DecodeTables(NamedTuple):
+class DecodeTables(NamedTuple):
     """One decode step's page tables on the device (see the module docstring) and its split count."""
 
     indptr: torch.Tensor
@@ -120,12 +123,12 @@ class Fp8DecodeTables(NamedTuple):
     splits: int
 
     def attend(self, q: torch.Tensor, kv_pool, layer_id: int, page_size: int, sm_scale: float) -> torch.Tensor:
-        """q [B, Hq, D] against layer `layer_id` of the FP8 KVPool, with its K/V scales."""
-        return fp8_paged_decode(q, kv_pool.k_buffers[layer_id], kv_pool.v_buffers[layer_id], self.indptr, self.indices,
-                                self.last_page_len, page_size, sm_scale, kv_pool.k_scale, kv_pool.v_scale, self.splits)
+        """q [B, Hq, D] against layer `layer_id` of the KVPool, with its K/V scales (1 unless FP8)."""
+        return paged_decode(q, kv_pool.k_buffers[layer_id], kv_pool.v_buffers[layer_id], self.indptr, self.indices,
+                            self.last_page_len, page_size, sm_scale, kv_pool.k_scale, kv_pool.v_scale, self.splits)
 
 
-def fp8_num_splits(batch_size: int, num_kv_heads: int, sm_count: int) -> int:
+def decode_num_splits(batch_size: int, num_kv_heads: int, sm_count: int) -> int:
     """Splits per request: enough programs for about two per SM, a power of two up to MAX_SPLITS."""
     splits = 1
     while batch_size * num_kv_heads * splits < 2 * sm_count and splits < MAX_SPLITS:
@@ -133,8 +136,8 @@ def fp8_num_splits(batch_size: int, num_kv_heads: int, sm_count: int) -> int:
     return splits
 
 
-def load_fp8_tables(kv, device: torch.device, num_kv_heads: int, sm_count: int, meta: torch.Tensor | None = None,
-                    indices: torch.Tensor | None = None) -> Fp8DecodeTables:
+def load_decode_tables(kv, device: torch.device, num_kv_heads: int, sm_count: int,
+                       meta: torch.Tensor | None = None, indices: torch.Tensor | None = None) -> DecodeTables:
     """A step's page tables (paged_kv.PagedKV, host int32) copied to the device: into `meta`
     (indptr, then last_page_len) and `indices` when given (a CUDA graph's fixed buffers), else
     into new tensors. From pinned memory, so the copies queue behind the running step instead of
@@ -147,21 +150,26 @@ def load_fp8_tables(kv, device: torch.device, num_kv_heads: int, sm_count: int, 
         indices = torch.empty(max(1, host_indices.numel()), dtype=torch.int32, device=device)
     meta[:2 * batch + 1].copy_(host_meta, non_blocking=True)
     indices[:host_indices.numel()].copy_(host_indices, non_blocking=True)
-    return Fp8DecodeTables(meta[:batch + 1], indices, meta[batch + 1:2 * batch + 1],
-                           fp8_num_splits(batch, num_kv_heads, sm_count))
+    return DecodeTables(meta[:batch + 1], indices, meta[batch + 1:2 * batch + 1],
+                        decode_num_splits(batch, num_kv_heads, sm_count))
 
 
-def fp8_paged_decode(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, indptr: torch.Tensor,
-                     indices: torch.Tensor, last_page_len: torch.Tensor, page_size: int, sm_scale: float,
-                     k_scale: float = 1.0, v_scale: float = 1.0, splits: int | None = None,
-                     tiles: tuple[int, int, int] = (128, 4, 3)) -> torch.Tensor:
-    """q [B, Hq, D] (bf16/fp16) against the FP8 pool k_buf, v_buf [Hkv, slots, D] -> [B, Hq, D].
-    tiles: (tokens per loop step, num_warps, num_stages). The default, on the H200 with
-    Llama-3.1-8B heads (benchmarks/bench_gpu_decode_attention.py --triton-sweep, 2026-12-01), was
-    within 9% of the best of 18 choices at batch 1, 64 and 256 with 256 or 2048 tokens, except
-    batch 1 at 256 tokens (7.3 us a layer; 32-token tiles: 5.3); against FlashInfer's FP8 decode
-    it is within 1% at batch 64 and 256 with 2048 tokens and 1.5-1.9x faster at 256 tokens and
-    at batch 1.
+def decode_tiles(pool_dtype: torch.dtype, batch_size: int) -> tuple[int, int, int]:
+    """(tokens per loop step, num_warps, num_stages) for a pool dtype and batch size. From the
+    H200 sweep (module docstring; batch 1, 16, 64, 256 x 256 and 2048 tokens, 12 tiles x 3 split
+    counts): each choice is within 7% of the best at its sizes on bf16 and within 11% on FP8
+    (FP8 batch 16 x 2048: 36.5 us against 33.3 for 128-token tiles)."""
+    if pool_dtype == torch.float8_e4m3fn:
+        return (32, 4, 3) if batch_size < 64 else (128, 4, 3)
+    return (64, 4, 2) if batch_size < 64 else (64, 4, 3)
+
+
+def paged_decode(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, indptr: torch.Tensor,
+                 indices: torch.Tensor, last_page_len: torch.Tensor, page_size: int, sm_scale: float,
+                 k_scale: float = 1.0, v_scale: float = 1.0, splits: int | None = None,
+                 tiles: tuple[int, int, int] | None = None) -> torch.Tensor:
+    """q [B, Hq, D] (bf16/fp16) against the pool k_buf, v_buf [Hkv, slots, D] -> [B, Hq, D]; the
+    pool in q's dtype or FP8 e4m3 with its K and V scales. tiles: decode_tiles' when None.
 
     An FP8 pool is widened to fp16, not to the query's bf16: e4m3 -> fp16 is one instruction per
     two values on Hopper, while e4m3 -> bf16 goes through fp32 and its conversions capped long
@@ -174,12 +182,13 @@ def fp8_paged_decode(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, 
     batch, num_q_heads, head_dim = q.shape
     num_kv_heads = k_buf.shape[0]
     if num_q_heads % num_kv_heads:
-        raise ValueError(f"fp8_paged_decode: {num_q_heads} query heads for {num_kv_heads} KV heads")
+        raise ValueError(f"paged_decode: {num_q_heads} query heads for {num_kv_heads} KV heads")
     if k_buf.stride(2) != 1 or k_buf.stride(1) != head_dim or v_buf.stride(1) != head_dim:
-        raise ValueError("fp8_paged_decode: the pool must be [Hkv, slots, D] with contiguous rows")
+        raise ValueError("paged_decode: the pool must be [Hkv, slots, D] with contiguous rows")
     group = num_q_heads // num_kv_heads
+    tiles = tiles or decode_tiles(k_buf.dtype, batch)
     if splits is None:
-        splits = fp8_num_splits(batch, num_kv_heads, _sm_count(q.device.index or 0) if q.is_cuda else 1)
+        splits = decode_num_splits(batch, num_kv_heads, _sm_count(q.device.index or 0) if q.is_cuda else 1)
     out = torch.empty_like(q)
     if batch == 0:
         return out
@@ -191,8 +200,8 @@ def fp8_paged_decode(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, 
     _decode_kernel[(batch, num_kv_heads, splits)](
         q, k_buf, v_buf, indptr, indices, last_page_len, out, part_out, part_lse, q.stride(0), q.stride(1),
         k_buf.stride(0), v_buf.stride(0), out.stride(0), out.stride(1), sm_scale * k_scale * _LOG2E, v_scale,
-        WIDEN_FP16=k_buf.dtype == torch.float8_e4m3fn, NUM_Q_HEADS=num_q_heads, GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
-        PAGE_SIZE=page_size, BLOCK_T=tiles[0], NUM_SPLITS=splits, num_warps=tiles[1], num_stages=tiles[2])
+        WIDEN_FP16=k_buf.dtype == torch.float8_e4m3fn, NUM_Q_HEADS=num_q_heads, GROUP=group,
+        BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, PAGE_SIZE=page_size, BLOCK_T=tiles[0], NUM_SPLITS=splits, num_warps=tiles[1], num_stages=tiles[2])
     if splits > 1:
         _merge_kernel[(batch, num_q_heads)](part_out, part_lse, out, out.stride(0), out.stride(1), v_scale,
                                            NUM_Q_HEADS=num_q_heads, HEAD_DIM=head_dim, NUM_SPLITS=splits)
