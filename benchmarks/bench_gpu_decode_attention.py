@@ -112,6 +112,8 @@ def main() -> None:
     # poisons the process (cudaErrorInvalidAddressSpace), so leave the *_no_split variants out there.
     parser.add_argument("--variants", default=",".join([*VARIANTS, "triton"]))
     parser.add_argument("--triton-sweep", action="store_true", help="also time other tiles and split counts")
+    parser.add_argument("--split-counts", default=None,
+                        help="comma-separated: also time the engine's tiles with each of these split counts")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     from radixlm.srt.executor.attention.triton_decode import decode_num_splits
@@ -142,6 +144,9 @@ def main() -> None:
                     print(f"# {tiles} x {splits} splits: {type(e).__name__}", flush=True)
             best = min(sweep, key=sweep.get)
             line.update(triton_sweep_block_warps_stages_splits=sweep, triton_best=best, triton_best_us=sweep[best])
+        if args.split_counts:
+            line["triton_us_by_splits"] = {splits: round(case.triton_us(splits=int(splits)), 2)
+                                           for splits in args.split_counts.split(",")}
         del case
         torch.cuda.empty_cache()
         base = us["tensor_cores"]
