@@ -9,6 +9,13 @@ Each line reports the mean accepted length (tokens per verify step) and the spee
 decoding measured in the same run, and checks that the outputs are identical.
 
     python benchmarks/bench_spec_ngram.py [--runs 3] [--out benchmarks/results/cpu_spec_ngram.jsonl]
+
+--drafting instead times the host side alone: the n-gram search for a batch of requests, every
+step (a step with drafts waits for it), against the Python scan over the token list that the
+engine used before (kept here as the baseline), on Zipf-distributed token streams of a few
+context lengths; both must propose the same drafts.
+
+    python benchmarks/bench_spec_ngram.py --drafting [--out benchmarks/results/cpu_spec_ngram.jsonl]
 """
 
 from __future__ import annotations
@@ -61,14 +68,80 @@ def run(engine, prompts: list[str], max_new: int) -> tuple[float, list[list[int]
     return time.perf_counter() - start, [o["output_ids"] for o in outs]
 
 
+def python_scan_baseline(tokens: list[int], num_drafts: int, max_match: int = 4, min_match: int = 1,
+                         window: int = 4096) -> list[int]:
+    """The engine's n-gram search before it was vectorized (commit a58d2b7), for --drafting."""
+    if num_drafts <= 0 or len(tokens) < min_match + 1:
+        return []
+    start = max(0, len(tokens) - window)
+    for size in range(min(max_match, len(tokens) - 1), min_match - 1, -1):
+        suffix = tokens[-size:]
+        first = suffix[0]
+        pos = len(tokens) - size - 1
+        while pos >= start:
+            if tokens[pos] == first and tokens[pos:pos + size] == suffix:
+                follow = tokens[pos + size:pos + size + num_drafts]
+                if follow:
+                    return follow
+            pos -= 1
+    return []
+
+
+def bench_drafting(args) -> None:
+    import numpy as np
+
+    from radixlm.srt.scheduler.ngram import TokenHistory, propose_ngram
+
+    rng = np.random.default_rng(0)
+    vocab, batch, steps = 49152, 64, 32
+    for context in (512, 2048, 8192):
+        # Zipf-like token frequencies, as text has: a few tokens everywhere, most rare.
+        streams = [(rng.zipf(1.2, context + steps) % vocab).tolist() for _ in range(batch)]
+        timings = {}
+        drafts = {}
+        for name in ("baseline", "ours"):
+            # As a Req holds them: the prompt, and the output growing by a token a step.
+            prompts = [stream[:context] for stream in streams]
+            outputs = [[] for _ in streams]
+            histories = [TokenHistory() for _ in range(batch)]
+            proposed = []
+            elapsed = 0.0
+            for step in range(steps):
+                for stream, output in zip(streams, outputs):
+                    output.append(stream[context + step])
+                start = time.perf_counter()
+                for prompt, output, history in zip(prompts, outputs, histories):
+                    if name == "baseline":  # it searched Req.fill_ids, prompt + output
+                        proposed.append(python_scan_baseline(prompt + output, args.draft_tokens))
+                    else:
+                        proposed.append(propose_ngram(history.sync(prompt, output), args.draft_tokens))
+                elapsed += time.perf_counter() - start
+            timings[name] = elapsed / (steps * batch) * 1e6
+            drafts[name] = proposed
+        emit({"bench": "spec_ngram_drafting", "context_tokens": context, "batch": batch, "steps": steps,
+              "draft_tokens": args.draft_tokens, "ours_us_per_request_step": round(timings["ours"], 1),
+              "baseline": "the Python scan over the token list used before, measured in this run",
+              "baseline_us_per_request_step": round(timings["baseline"], 1),
+              "speedup": round(timings["baseline"] / timings["ours"], 1),
+              "ours_ms_per_step_at_batch": round(timings["ours"] * batch / 1e3, 3),
+              "baseline_ms_per_step_at_batch": round(timings["baseline"] * batch / 1e3, 3),
+              "same_drafts": drafts["ours"] == drafts["baseline"],
+              "with_drafts": sum(bool(d) for d in drafts["ours"]) / len(drafts["ours"]),
+              "command": shlex.join(["python", *sys.argv])}, args)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--draft-tokens", type=int, default=4)
     parser.add_argument("--workloads", default="extraction,code_edit,chat")
+    parser.add_argument("--drafting", action="store_true", help="time the host-side n-gram search alone")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
+    if args.drafting:
+        bench_drafting(args)
+        return
     from radixlm.srt import Engine
 
     plain = Engine(max_total_tokens=16384)

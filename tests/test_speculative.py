@@ -5,13 +5,15 @@ model's distribution."""
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 
 from radixlm.srt.executor.speculative import verify_drafts
 from radixlm.srt.sampling_params import SamplingParams
 from radixlm.srt.scheduler.draft_pacing import DraftPacing
-from radixlm.srt.scheduler.ngram import propose_ngram
+from radixlm.srt.scheduler.ngram import TokenHistory, propose_ngram
 from radixlm.srt.scheduler.request import Req
 
 DOC = ("Invoice 4471. Customer: Maria Lopez, 12 Harbor Street, Lisbon. Items: 3 blue chairs at 45 euros, "
@@ -46,6 +48,39 @@ def test_ngram_proposals():
     assert propose_ngram([5, 6, 7], 2) == []
     assert propose_ngram([4, 4, 4], 2, max_match=2) == [4]  # latest earlier match, what follows it
     assert propose_ngram([1, 2, 1, 2, 1, 2], 4) == [1, 2]
+
+
+def _ngram_by_definition(tokens, num_drafts, max_match, min_match, window):
+    """The longest suffix (max_match..min_match tokens) seen before, starting in the window:
+    what followed its latest earlier occurrence."""
+    n = len(tokens)
+    for size in range(min(max_match, n - 1), min_match - 1, -1):
+        found = [p for p in range(max(0, n - window), n - size) if tokens[p:p + size] == tokens[n - size:]]
+        if found:
+            return tokens[found[-1] + size:found[-1] + size + num_drafts]
+    return []
+
+
+def test_ngram_search_matches_its_definition_on_random_sequences():
+    rng = random.Random(0)
+    for _ in range(2000):
+        tokens = [rng.randrange(rng.choice([2, 3, 50])) for _ in range(rng.randrange(60))]
+        num, max_match = rng.randrange(1, 6), rng.randrange(1, 6)
+        min_match, window = rng.randrange(1, max_match + 1), rng.choice([4, 10, 4096])
+        want = _ngram_by_definition(tokens, num, max_match, min_match, window) if len(tokens) > min_match else []
+        assert propose_ngram(tokens, num, max_match, min_match, window) == want, (tokens, num, max_match, min_match)
+
+
+def test_token_history_follows_appends_and_a_replaced_newest_token():
+    history, prompt, output = TokenHistory(), [7, 8, 9], []
+    assert history.sync(prompt, output).tolist() == prompt
+    for token in range(12):
+        output.append(token % 5)
+        assert history.sync(prompt, output).tolist() == prompt + output
+    output[-1:] = [30, 31, 32]  # jump-forward: the newest token replaced by the forced ones
+    assert history.sync(prompt, output).tolist() == prompt + output
+    output.append(4)
+    assert history.sync(prompt, output).tolist() == prompt + output
 
 
 def pauses(pacing: DraftPacing, outcomes) -> list[int]:

@@ -215,7 +215,8 @@ class BatchPlanner:
         if by_model:  # slots only: the engine's draft model drafts (and cuts them at a grammar's end)
             drafts, count = [], room
         else:
-            drafts = propose_ngram(req.fill_ids, room, self.args.speculative_ngram_max_match_window_size,
+            tokens = req.draft_history.sync(req.origin_input_ids, req.output_ids)
+            drafts = propose_ngram(tokens, room, self.args.speculative_ngram_max_match_window_size,
                                    self.args.speculative_ngram_min_match_window_size)
             if req.grammar is not None:  # cut at the first draft the grammar rejects
                 drafts = drafts[:valid_draft_len(req.grammar, drafts)]

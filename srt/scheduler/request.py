@@ -7,6 +7,7 @@ from typing import Any
 
 from radixlm.srt.io_struct import TokenizedGenerateReq
 from radixlm.srt.scheduler.draft_pacing import DraftPacing
+from radixlm.srt.scheduler.ngram import TokenHistory
 from radixlm.srt.sampling_params import SamplingParams
 
 
@@ -59,6 +60,7 @@ class Req:
     spec_verify_ct: int = 0
     spec_accepted: int = 0
     drafting: DraftPacing = field(default_factory=DraftPacing)  # whether drafting for it pays
+    draft_history: TokenHistory = field(default_factory=TokenHistory)  # its tokens for the n-gram search
 
     # Results for logprobs: lists of (logprob, token_id) and top-k lists per token.
     input_token_logprobs: list[tuple[float | None, int]] = field(default_factory=list)
