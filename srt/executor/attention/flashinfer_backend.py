@@ -6,8 +6,8 @@ HND layout with a head stride of `slots * D`, which its kernels accept (they rea
 Extend batches use the paged prefill kernel with a causal mask aligned to each request's end,
 so cached prefixes and new tokens are one KV sequence; plain decode steps run our Triton kernel
 (triton_decode.py), and cascade steps and layers with windows or soft-caps FlashInfer's
-tensor-core decode kernel (GQA groups share K/V loads). FA2 kernels throughout: they compile in ~30 s on a fresh
-machine, FA3 in ~100 s.
+tensor-core decode kernel (GQA groups share K/V loads). FlashInfer's FA2 kernels throughout:
+they compile in ~30 s on a fresh machine, FA3 in ~100 s.
 
 Cascade decode: requests holding the same KV slots for a long prefix (cascade_groups.py) are
 reordered so each group's queries are contiguous; level 1 attends each group's queries together
@@ -127,7 +127,8 @@ class FlashInferBackend(AttentionBackend):
         # docstring). Windows, soft-caps and cascade steps stay on FlashInfer.
         self._triton_decode = (self.device.type == "cuda" and self._windows == [-1] and not self.softcap
                                and head_dim >= 16 and head_dim & (head_dim - 1) == 0)
-        self._sm_count = torch.cuda.get_device_properties(self.device).multi_processor_count if self._triton_decode else 0
+        self._sm_count = (torch.cuda.get_device_properties(self.device).multi_processor_count
+                          if self._triton_decode else 0)
         self._decode_tables: DecodeTables | None = None  # this decode step's page tables on the device
         self._decode_graph_meta: torch.Tensor | None = None  # graph buckets' indptr | last_page_len
         self._cascade: _CascadeStep | None = None  # this batch's cascade plan, None for a plain step
@@ -393,7 +394,8 @@ class FlashInferBackend(AttentionBackend):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int) -> torch.Tensor:
         self.kv_pool.store(layer_id, self._out_cache_loc, k, v)
         if self._decode_tables is not None:
-            return self._decode_tables.attend(q, self.kv_pool, layer_id, self.page_size, self.scale).view(q.shape[0], -1)
+            out = self._decode_tables.attend(q, self.kv_pool, layer_id, self.page_size, self.scale)
+            return out.view(q.shape[0], -1)
         if self._cascade is not None:
             return self._cascade_forward(q, self.kv_pages[layer_id])
         out = self._wrappers[self._layer_window[layer_id]].run(q, self.kv_pages[layer_id], **self._kv_scales)
