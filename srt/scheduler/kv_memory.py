@@ -8,6 +8,8 @@ fill its pages in order, so a page is owned by exactly one request or one radix-
 
 from __future__ import annotations
 
+from itertools import chain
+
 import numpy as np
 
 
@@ -91,9 +93,12 @@ class PageAllocator:
         if num_pages > len(self._free_pages):
             return None
         slots = list(range(last_slot + 1, last_slot + 1 + min(room, new_len))) if room else []
-        for _ in range(num_pages):
-            page = self._free_pages.pop()
-            slots.extend(range(page * ps, (page + 1) * ps))
+        if num_pages:
+            free = self._free_pages
+            pages = free[len(free) - num_pages:]  # one slice, not a pop per page: prompts are long
+            del free[len(free) - num_pages:]
+            pages.reverse()  # the order repeated pops would give
+            slots.extend(pages if ps == 1 else chain.from_iterable(range(p * ps, (p + 1) * ps) for p in pages))
         return slots[:new_len]
 
     def alloc_one_each(self, seq_lens: list[int], last_slots: list[int] | None) -> list[int] | None:
