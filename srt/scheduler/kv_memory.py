@@ -93,13 +93,18 @@ class PageAllocator:
         if num_pages > len(self._free_pages):
             return None
         slots = list(range(last_slot + 1, last_slot + 1 + min(room, new_len))) if room else []
-        if num_pages:
-            free = self._free_pages
-            pages = free[len(free) - num_pages:]  # one slice, not a pop per page: prompts are long
-            del free[len(free) - num_pages:]
-            pages.reverse()  # the order repeated pops would give
-            slots.extend(pages if ps == 1 else chain.from_iterable(range(p * ps, (p + 1) * ps) for p in pages))
+        pages = self._take_pages(num_pages)
+        slots.extend(pages if ps == 1 else chain.from_iterable(range(p * ps, (p + 1) * ps) for p in pages))
         return slots[:new_len]
+
+    def _take_pages(self, count: int) -> list[int]:
+        """`count` free pages in the order repeated pops would give, taken in one slice (a long
+        prompt takes thousands)."""
+        free = self._free_pages
+        taken = free[len(free) - count:] if count else []
+        del free[len(free) - count:]
+        taken.reverse()
+        return taken
 
     def alloc_one_each(self, seq_lens: list[int], last_slots: list[int] | None) -> list[int] | None:
         """One slot for each of several requests (a decode step): the next slot of a request's
@@ -108,13 +113,9 @@ class PageAllocator:
         ps = self.page_size
         free = self._free_pages
         if ps == 1:
-            count = len(seq_lens)
-            if count > len(free):
+            if len(seq_lens) > len(free):
                 return None
-            taken = free[len(free) - count:]
-            del free[len(free) - count:]
-            taken.reverse()  # the order repeated pops would give
-            return taken
+            return self._take_pages(len(seq_lens))
         if sum(1 for n in seq_lens if n % ps == 0) > len(free):
             return None
         return [last + 1 if n % ps else free.pop() * ps for n, last in zip(seq_lens, last_slots)]

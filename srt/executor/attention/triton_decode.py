@@ -2,12 +2,12 @@
 or FP8 e4m3 pools).
 
 Why not FlashInfer's decode kernel: on the H200 with Llama-3.1-8B heads, pages of 1, 32 layers
-from a CUDA graph (benchmarks/bench_gpu_decode_attention.py --triton-sweep, 2026-12-01), this
-kernel takes 5.3-8.2 us a layer at batch 1 (FlashInfer 9.6-12.1), 20.5 at batch 64 x 256 tokens
-(32.2) and 480.7 at 256 x 2048 (507.1, 4.5 TB/s); over an FP8 pool, which FlashInfer 0.6.11
-reads no faster than bf16 (476.8 us at 256 x 2048), it takes 340 (3.2 TB/s; decode_tiles). Decode attention only has
-to stream each request's K and V once: the kernel reads the pool's bytes, widens FP8 in
-registers and runs the two small products on tensor cores.
+from a CUDA graph (benchmarks/bench_gpu_decode_attention.py --triton-sweep, 2026-12-01), with
+decode_tiles' tiles this kernel takes 5.7-8.2 us a layer at batch 1 (FlashInfer 9.6-12.1),
+20.5 at batch 64 x 256 tokens (32.2) and 483.4 at 256 x 2048 (507.1; 4.4 TB/s); over an FP8
+pool, which FlashInfer 0.6.11 reads no faster than bf16 (476.8 us at 256 x 2048), it takes
+340.6 (3.2 TB/s). Decode attention only has to stream each request's K and V once: the kernel
+reads the pool's bytes, widens FP8 in registers and runs the two small products on tensor cores.
 
 One program per (request, KV head, split of the sequence): the KV head's whole query group
 (padded to 16 rows, the dot's smallest tile) attends to its split with an online softmax. With
@@ -158,7 +158,7 @@ def decode_tiles(pool_dtype: torch.dtype, batch_size: int) -> tuple[int, int, in
     """(tokens per loop step, num_warps, num_stages) for a pool dtype and batch size. From the
     H200 sweep (module docstring; batch 1, 16, 64, 256 x 256 and 2048 tokens, 12 tiles x 3 split
     counts): each choice is within 7% of the best at its sizes on bf16 and within 11% on FP8
-    (FP8 batch 16 x 2048: 36.5 us against 33.3 for 128-token tiles). Long FP8 contexts are
+    (FP8 batch 16 x 2048: 36.9 us against 33.3 for 128-token tiles). Long FP8 contexts are
     latency-bound: five stages instead of three take batch 256 x 2048 from 366 to 340 us and
     64 x 2048 from 99.6 to 86.4 (more stages, 256-token tiles or 8 warps were slower; so were
     K as the dot's left operand, widening by integer bit operations and CUDA-core products)."""
