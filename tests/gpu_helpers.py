@@ -69,16 +69,17 @@ def assert_same_greedy(reference: list[dict], other: list[dict]) -> None:
     assert exact >= len(reference) // 2, f"only {exact}/{len(reference)} outputs agree exactly"
 
 
-def cuda_batch(mode, rows, prefix_lens, extend_lens, out_slots):
-    """A ForwardBatch on the GPU for attention-level tests: request `rows` extend their cached
-    `prefix_lens` by `extend_lens` tokens whose K/V go to `out_slots`; every row keeps logits."""
+def cuda_batch(mode, rows, prefix_lens, extend_lens, out_slots, device: str = "cuda"):
+    """A ForwardBatch on the GPU (or `device`) for attention-level tests: request `rows` extend
+    their cached `prefix_lens` by `extend_lens` tokens whose K/V go to `out_slots`; every row
+    keeps logits."""
     import torch
 
     from radixlm.srt.executor.forward_batch import ForwardBatch
 
     seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens)]
     positions = [p + i for p, e in zip(prefix_lens, extend_lens) for i in range(e)]
-    dev = torch.device("cuda")
+    dev = torch.device(device)
     return ForwardBatch(
         mode=mode, input_ids=torch.zeros(len(positions), dtype=torch.int64, device=dev),
         positions=torch.tensor(positions, device=dev), out_cache_loc=torch.tensor(out_slots, device=dev),

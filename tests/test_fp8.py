@@ -319,6 +319,46 @@ def test_fp8_kv_pool_dtype_and_capacity(kv8_engine, monkeypatch):
     assert abs(fp8_kv / auto - 2.0) < 1e-3
 
 
+def test_fp8_kv_extend_attends_new_tokens_unrounded_and_the_prefix_from_the_pool():
+    """torch_native over an FP8 pool, an extend batch: requests with and without a cached
+    prefix attend their new tokens' K/V as computed and the prefix as the pool holds it (the
+    FlashInfer backend's ragged prefill does the same; its GPU test compares the two)."""
+    from gpu_helpers import cuda_batch
+    from radixlm.srt.executor.attention.torch_native import TorchNativeBackend
+    from radixlm.srt.executor.forward_batch import ForwardMode
+
+    gen = torch.Generator().manual_seed(0)
+    heads, kv_heads, dim = 4, 2, 16
+    pool = KVPool(256, 1, kv_heads, dim, torch.float8_e4m3fn, "cpu")
+    table = torch.zeros(4, 64, dtype=torch.int64)
+    prefix_lens, extend_lens, rows = [0, 7, 20], [5, 3, 6], [0, 1, 2]
+    next_slot, out_slots = 1, []
+    for row, p, e in zip(rows, prefix_lens, extend_lens):
+        slots = torch.arange(next_slot, next_slot + p + e)
+        table[row, :p + e] = slots
+        next_slot += p + e
+        if p:
+            pool.store(0, slots[:p], torch.randn(p, kv_heads, dim, generator=gen) * 3,
+                       torch.randn(p, kv_heads, dim, generator=gen) * 3)
+        out_slots += slots[p:].tolist()
+    total = sum(extend_lens)
+    q, k, v = (torch.randn(total, h, dim, generator=gen) * 3 for h in (heads, kv_heads, kv_heads))
+    native = TorchNativeBackend(pool, table, dim ** -0.5)
+    native.plan(cuda_batch(ForwardMode.EXTEND, rows, prefix_lens, extend_lens, out_slots, device="cpu"))
+    got = native.forward(q, k, v, 0).view(total, heads, dim)
+    start = 0
+    for row, p, e in zip(rows, prefix_lens, extend_lens):
+        cached = table[row, :p]
+        keys = torch.cat([read_kv(pool.k_buffers[0], cached, torch.float32).transpose(0, 1), k[start:start + e]])
+        values = torch.cat([read_kv(pool.v_buffers[0], cached, torch.float32).transpose(0, 1), v[start:start + e]])
+        keys, values = keys.repeat_interleave(heads // kv_heads, 1), values.repeat_interleave(heads // kv_heads, 1)
+        scores = torch.einsum("qhd,khd->hqk", q[start:start + e], keys) * dim ** -0.5
+        scores = scores.masked_fill(torch.arange(p + e)[None, :] > p + torch.arange(e)[:, None], float("-inf"))
+        want = torch.einsum("hqk,khd->qhd", scores.softmax(-1), values)
+        torch.testing.assert_close(got[start:start + e], want, atol=1e-4, rtol=1e-4)
+        start += e
+
+
 def test_fp8_kv_store_saturates_and_reads_back():
     pool = KVPool(16, 1, 2, 8, torch.float8_e4m3fn, "cpu")
     k = torch.randn(3, 2, 8)

@@ -4,7 +4,10 @@ The KV pool stays head-major ([Hkv, slots, D] per layer). Viewed as pages that i
 [Hkv, num_pages, page_size, D]; permuted to [num_pages, Hkv, page_size, D] it is FlashInfer's
 HND layout with a head stride of `slots * D`, which its kernels accept (they read strides).
 Extend batches use the paged prefill kernel with a causal mask aligned to each request's end,
-so cached prefixes and new tokens are one KV sequence; plain decode steps run our Triton kernel
+so cached prefixes and new tokens are one KV sequence. Over an FP8 pool (no windows) they
+instead attend the new tokens' bf16 K/V as computed (ragged prefill, causal) and the cached
+prefixes' FP8 pages (paged prefill, only when a request has one), merged by log-sum-exp: FlashInfer's
+prefill reading FP8 pages was ~6% slower end to end on the offline workload. Plain decode steps run our Triton kernel
 (triton_decode.py), and cascade steps and layers with windows or soft-caps FlashInfer's
 tensor-core decode kernel (GQA groups share K/V loads). FlashInfer's FA2 kernels throughout:
 they compile in ~30 s on a fresh machine, FA3 in ~100 s.
@@ -95,6 +98,8 @@ class FlashInferBackend(AttentionBackend):
         self.prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "HND", backend=_BACKEND)
         self.decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(self.workspace, "HND", use_tensor_cores=True,
                                                                     backend=_BACKEND)
+        self._ragged_step = False  # this extend attends its new tokens by ragged prefill (module docstring)
+        self._ragged_prefix = False  # this extend also attends cached prefixes (paged, then merged)
         layers = list(layers) if layers is not None else [LayerAttention()] * len(kv_pool.k_buffers)
         caps = {spec.logit_softcap for spec in layers}
         if len(caps) > 1:
@@ -110,6 +115,11 @@ class FlashInferBackend(AttentionBackend):
                                                                    backend=_BACKEND))
             for window in self._windows if window != -1}
         cascade = cascade and self._windows == [-1]
+        if self.kv_dtype == torch.float8_e4m3fn and self._windows == [-1]:
+            self._ragged_wrapper = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(self.workspace, "NHD",
+                                                                                   backend=_BACKEND)
+        else:
+            self._ragged_wrapper = None
         self.kv_pages = [(as_pages(k, page_size), as_pages(v, page_size))
                          for k, v in zip(kv_pool.k_buffers, kv_pool.v_buffers)]
         self._wrappers: dict[int, object] = {}  # this batch's planned wrapper per window_left
@@ -165,6 +175,7 @@ class FlashInferBackend(AttentionBackend):
         self._cascade = None
         self._wrappers = {}
         self._decode_tables = None
+        self._ragged_step = False
         if batch.is_decode:
             groups = self._decode_groups(batch)
             self._groups_of = None
@@ -177,6 +188,8 @@ class FlashInferBackend(AttentionBackend):
                 else:
                     for window in self._windows:
                         self._plan_decode(self._wrapper_for(window, decode=True), kv, window)
+        elif self._ragged_wrapper is not None:
+            self._plan_ragged_extend(batch)
         else:
             kv = build_paged_kv(self.req_to_token, batch.req_pool_indices_cpu, batch.seq_lens_cpu, self.page_size)
             qo_indptr = qo_indptr_for(batch.extend_lens_cpu)
@@ -188,6 +201,22 @@ class FlashInferBackend(AttentionBackend):
                 self._wrappers[window] = wrapper
         self._out_cache_loc = batch.out_cache_loc
         self._planned()
+
+    def _plan_ragged_extend(self, batch: ForwardBatch) -> None:
+        """An extend over an FP8 pool: the new tokens among themselves (causal, their own K/V),
+        and, when any request has a cached prefix, every request's prefix pages (non-causal: all
+        of a prefix precedes all of its new tokens; an empty prefix gives an empty state)."""
+        qo_indptr = qo_indptr_for(batch.extend_lens_cpu)
+        self._ragged_wrapper.plan(qo_indptr, qo_indptr, self.num_heads, self.num_kv_heads, self.head_dim, causal=True,
+                                  sm_scale=self.scale, logits_soft_cap=self.softcap, q_data_type=self.dtype,
+                                  kv_data_type=self.dtype)
+        self._ragged_step = True
+        self._ragged_prefix = any(batch.prefix_lens_cpu)
+        if self._ragged_prefix:
+            kv = build_paged_kv(self.req_to_token, batch.req_pool_indices_cpu, batch.prefix_lens_cpu, self.page_size)
+            self.prefill.plan(qo_indptr, kv.indptr, kv.indices, kv.last_page_len, self.num_heads, self.num_kv_heads,
+                              self.head_dim, self.page_size, causal=False, sm_scale=self.scale,
+                              logits_soft_cap=self.softcap, q_data_type=self.dtype, kv_data_type=self.kv_dtype)
 
     def _wrapper_for(self, window_left: int, decode: bool):
         if window_left == -1:
@@ -354,6 +383,7 @@ class FlashInferBackend(AttentionBackend):
         self._decode_tables = None
         self._groups_of = None
         self._out_cache_loc = out_cache_loc
+        self._ragged_step = False
         self._planned()
 
     def _plan_graph_decode(self, wrappers: dict[int, object], batch: ForwardBatch | None, padded_size: int,
@@ -373,6 +403,7 @@ class FlashInferBackend(AttentionBackend):
         self._cascade = None
         self._groups_of = None
         self._out_cache_loc = out_cache_loc
+        self._ragged_step = False
         self._planned()
 
     def _plan_graph_triton(self, batch: ForwardBatch | None, padded_size: int, out_cache_loc: torch.Tensor) -> None:
@@ -387,18 +418,29 @@ class FlashInferBackend(AttentionBackend):
         self._cascade = None
         self._groups_of = None
         self._out_cache_loc = out_cache_loc
+        self._ragged_step = False
         self._planned()
 
     # ---- per layer -----------------------------------------------------------------------------
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int) -> torch.Tensor:
         self.kv_pool.store(layer_id, self._out_cache_loc, k, v)
+        if self._ragged_step:
+            return self._ragged_forward(q, k, v, layer_id)
         if self._decode_tables is not None:
             out = self._decode_tables.attend(q, self.kv_pool, layer_id, self.page_size, self.scale)
             return out.view(q.shape[0], -1)
         if self._cascade is not None:
             return self._cascade_forward(q, self.kv_pages[layer_id])
         out = self._wrappers[self._layer_window[layer_id]].run(q, self.kv_pages[layer_id], **self._kv_scales)
+        return out.view(q.shape[0], -1)
+
+    def _ragged_forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int) -> torch.Tensor:
+        if not self._ragged_prefix:
+            return self._ragged_wrapper.run(q, k, v).view(q.shape[0], -1)
+        out, lse = self._ragged_wrapper.run(q, k, v, return_lse=True)
+        prefix_out, prefix_lse = self.prefill.run(q, self.kv_pages[layer_id], return_lse=True, **self._kv_scales)
+        self._flashinfer.merge_state_in_place(out, lse, prefix_out, prefix_lse)
         return out.view(q.shape[0], -1)
 
     def _cascade_forward(self, q: torch.Tensor, pages) -> torch.Tensor:

@@ -8,6 +8,11 @@ and merged with each request's own suffix through their softmax statistics.
 
 Per layer (layer_spec.LayerAttention): a sliding window (one plan per distinct window per
 batch) and soft-capped scores (Gemma 2; computed without SDPA, which cannot cap).
+
+With an FP8 pool an extend in a layer without a window attends its new tokens' K/V as computed
+and reads only the cached prefix back from the pool (rounded to e4m3), as the FlashInfer
+backend's ragged prefill does; one-token requests and windowed layers read everything back from
+the pool, as FlashInfer's decode and windowed prefill do.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ from radixlm.srt.executor.attention.base import AttentionBackend
 from radixlm.srt.executor.attention.cascade_groups import CASCADE_MIN_PREFIX, find_groups
 from radixlm.srt.executor.attention.layer_spec import LOGIT_SOFTCAP, SLIDING_WINDOW, LayerAttention
 from radixlm.srt.executor.forward_batch import ForwardBatch
-from radixlm.srt.executor.mem_pool import KVPool, read_kv
+from radixlm.srt.executor.mem_pool import FP8_KV_DTYPE, KVPool, read_kv
 
 
 class TorchNativeBackend(AttentionBackend):
@@ -71,7 +76,8 @@ class _StepPlan:
     the pool (the radix cache may share it with a full-attention layer or a later request).
     """
 
-    def __init__(self, decode, decode_rows, extends):
+    def __init__(self, decode, decode_rows, extends, window: int | None = None):
+        self.window = window
         self.decode: _PlainDecode | _CascadePlan | None = decode
         self.decode_rows: torch.Tensor | None = decode_rows  # the token rows they own in this forward
         # Longer extends, one by one: (start row, new tokens, KV slots of the keys or None when
@@ -112,7 +118,7 @@ class _StepPlan:
             slots = req_to_token[row, kv_start:seq_len].to(device) if prefix_len else None
             mask = _causal_mask(prefix_len, seq_len, kv_start, window, device)
             extends.append((starts[i], extend_len, slots, mask))
-        return cls(decode, decode_rows, extends)
+        return cls(decode, decode_rows, extends, window)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
                scale: float, softcap: float | None, kv_scales: tuple[float, float] = (1.0, 1.0)) -> torch.Tensor:
@@ -129,6 +135,12 @@ class _StepPlan:
             if slots is None:  # nothing cached: the new tokens are the whole sequence
                 ki = k[start:start + extend_len].transpose(0, 1).contiguous()
                 vi = v[start:start + extend_len].transpose(0, 1).contiguous()
+            elif k_buf.dtype == FP8_KV_DTYPE and self.window is None:  # cached keys from the pool, new ones unrounded
+                cached = slots[:-extend_len]
+                ki = torch.cat([read_kv(k_buf, cached, q.dtype, kv_scales[0]),  # [Hkv, keys, D]
+                                k[start:start + extend_len].transpose(0, 1).to(q.dtype)], dim=1)
+                vi = torch.cat([read_kv(v_buf, cached, q.dtype, kv_scales[1]),
+                                v[start:start + extend_len].transpose(0, 1).to(q.dtype)], dim=1)
             else:
                 ki = read_kv(k_buf, slots, q.dtype, kv_scales[0])  # [Hkv, keys, D]
                 vi = read_kv(v_buf, slots, q.dtype, kv_scales[1])
