@@ -91,15 +91,19 @@ def bench_decode(make_engine, rep: Reporter) -> None:
 
     bw = measure_bandwidth()
     best_bw = max(bw.values()) * 1e12
+    from radixlm.srt.executor import pdl
     from radixlm.srt.executor.quantization import fp8 as fp8_module
 
     ms = {}
     default_gemv = fp8_module._fp8_gemv
     # fp8: the default dispatch (fp8_gemv up to GEMV_MAX_ROWS rows); fp8_scaled_mm: every batch
     # through quantize + torch._scaled_mm, captured into the graphs as such.
+    # fp8_no_pdl: the default path with our kernels launched plainly (see srt/executor/pdl.py).
     for name, kwargs, gemv in (("bf16", {}, default_gemv), ("fp8", {"quantization": "fp8"}, default_gemv),
+                               ("fp8_no_pdl", {"quantization": "fp8"}, default_gemv),
                                ("fp8_scaled_mm", {"quantization": "fp8"}, None)):
         fp8_module._fp8_gemv = gemv
+        pdl.set_enabled(name != "fp8_no_pdl")
         try:
             engine = make_engine(max_running_requests=8, cuda_graph_max_bs=8, **kwargs)
             ms[name] = decode_ms_per_token(engine)
@@ -110,6 +114,7 @@ def bench_decode(make_engine, rep: Reporter) -> None:
                     rows=25)
         finally:
             fp8_module._fp8_gemv = default_gemv
+            pdl.set_enabled(True)
         config = engine.model_config
         free_engine(engine)
     fp8_bytes = model_bytes(config, torch.bfloat16, "fp8")
@@ -119,6 +124,8 @@ def bench_decode(make_engine, rep: Reporter) -> None:
               "bf16_ms_per_token": round(ms["bf16"], 3), "speedup_vs_bf16": round(ms["bf16"] / ms["fp8"], 3),
               "fp8_default_path": "fp8_gemv (Triton) <= 16 rows" if default_gemv else "torch._scaled_mm",
               "fp8_scaled_mm_ms_per_token": round(ms["fp8_scaled_mm"], 3),
+              "fp8_without_pdl_ms_per_token": round(ms["fp8_no_pdl"], 3),
+              "pdl_speedup": round(ms["fp8_no_pdl"] / ms["fp8"], 3),
               "fp8_weight_gb": round(fp8_bytes / 1e9, 3), "bandwidth_tb_s": {k: round(v, 3) for k, v in bw.items()},
               "fp8_roofline_ms": round(roofline_ms, 3), "fraction_of_fp8_roofline": round(roofline_ms / ms["fp8"], 3),
               "goal": "<= 2.4 ms/token", "vllm_fp8_recorded": VLLM_FP8_RECORDED,

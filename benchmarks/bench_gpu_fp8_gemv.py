@@ -121,13 +121,17 @@ def bench_shape(rep: Reporter, name: str, n: int, k: int, rows: int, sweep: bool
 def bench_stack(rep: Reporter, bw: dict) -> None:
     """Batch-1: every layer's four projections (distinct weights, as in the model), FP8 via
     fp8_gemv vs bf16 cuBLAS, against the bandwidth roofline of those bytes."""
+    from radixlm.srt.executor import pdl
     from radixlm.srt.executor.quantization.fp8_gemv import fp8_gemv
 
     x = {k: torch.randn(1, k, device="cuda", dtype=torch.bfloat16) for k in (4096, 14336)}
     fp8_bytes = LAYERS * sum(n * k for n, k in SHAPES.values())
     layers_fp8 = [[(weights(n, k, 1)[1][0], k) for n, k in SHAPES.values()] for _ in range(LAYERS)]
-    fp8_us = graph_time_us([lambda q=q, k=k: fp8_gemv(x[k], q[0], q[1], torch.bfloat16)
-                            for layer in layers_fp8 for q, k in layer], replays=10) * 4 * LAYERS
+    stack = [lambda q=q, k=k: fp8_gemv(x[k], q[0], q[1], torch.bfloat16) for layer in layers_fp8 for q, k in layer]
+    fp8_us = graph_time_us(stack, replays=10) * 4 * LAYERS
+    pdl.set_enabled(False)  # the same kernels launched plainly (srt/executor/pdl.py)
+    fp8_no_pdl_us = graph_time_us(stack, replays=10) * 4 * LAYERS
+    pdl.set_enabled(True)
     layers_fp8 = None
     torch.cuda.empty_cache()
     layers_bf16 = [[(torch.randn(n, k, device="cuda", dtype=torch.bfloat16), k) for n, k in SHAPES.values()]
@@ -138,7 +142,8 @@ def bench_stack(rep: Reporter, bw: dict) -> None:
     torch.cuda.empty_cache()
     best_bw = max(bw.values()) * 1e12
     rep.emit({"bench": "gpu_fp8_gemv_stack", "rows": 1, "layers": LAYERS, "fp8_ms": round(fp8_us / 1e3, 3),
-              "fp8_weight_gb": round(fp8_bytes / 1e9, 3),
+              "fp8_weight_gb": round(fp8_bytes / 1e9, 3), "fp8_without_pdl_ms": round(fp8_no_pdl_us / 1e3, 3),
+              "pdl_speedup": round(fp8_no_pdl_us / fp8_us, 3),
               "fp8_fraction_of_roofline": round(fp8_bytes / best_bw * 1e6 / fp8_us, 3),
               "baseline": "the same projections in bf16 through cuBLAS, measured in this run",
               "bf16_ms": round(bf16_us / 1e3, 3),
@@ -155,7 +160,7 @@ def main() -> None:
     rep = Reporter(args.out, "python " + shlex.join(sys.argv))
     torch.manual_seed(0)
     bw = measure_bandwidth()
-    for rows in (int(r) for r in args.rows.split(",")):
+    for rows in (int(r) for r in args.rows.split(",") if r):
         for name, (n, k) in SHAPES.items():
             bench_shape(rep, name, n, k, rows, args.sweep)
     bench_stack(rep, bw)

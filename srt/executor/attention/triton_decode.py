@@ -29,6 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ..pdl import launch_dependents, pdl_enabled, wait
+
 _LOG2E = 1.4426950408889634
 MAX_SPLITS = 32
 
@@ -38,7 +40,9 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, indptr_ptr, indices_ptr, last_len_ptr, o
                    stride_qb, stride_qh, stride_kh, stride_vh, stride_ob, stride_oh, qk_scale, v_scale,
                    WIDEN_FP16: tl.constexpr,
                    NUM_Q_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
-                   PAGE_SIZE: tl.constexpr, BLOCK_T: tl.constexpr, NUM_SPLITS: tl.constexpr):
+                   PAGE_SIZE: tl.constexpr, BLOCK_T: tl.constexpr, NUM_SPLITS: tl.constexpr, PDL: tl.constexpr):
+    launch_dependents(PDL)
+    wait(PDL)  # the page tables and q come from earlier kernels and copies
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -96,7 +100,9 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, indptr_ptr, indices_ptr, last_len_ptr, o
 
 @triton.jit
 def _merge_kernel(part_out_ptr, part_lse_ptr, out_ptr, stride_ob, stride_oh, v_scale, NUM_Q_HEADS: tl.constexpr,
-                  HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr):
+                  HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, PDL: tl.constexpr):
+    launch_dependents(PDL)
+    wait(PDL)
     b = tl.program_id(0)
     head = tl.program_id(1)
     s = tl.arange(0, NUM_SPLITS)
@@ -200,13 +206,15 @@ def paged_decode(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, indp
         part_lse = torch.empty((batch, splits, num_q_heads), dtype=torch.float32, device=q.device)
     else:
         part_out = part_lse = out  # unused
+    pdl = pdl_enabled(q)
     _decode_kernel[(batch, num_kv_heads, splits)](
         q, k_buf, v_buf, indptr, indices, last_page_len, out, part_out, part_lse, q.stride(0), q.stride(1),
         k_buf.stride(0), v_buf.stride(0), out.stride(0), out.stride(1), sm_scale * k_scale * _LOG2E, v_scale,
         WIDEN_FP16=k_buf.dtype == torch.float8_e4m3fn, NUM_Q_HEADS=num_q_heads, GROUP=group,
         BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, PAGE_SIZE=page_size, BLOCK_T=tiles[0],
-        NUM_SPLITS=splits, num_warps=tiles[1], num_stages=tiles[2])
+        NUM_SPLITS=splits, PDL=pdl, num_warps=tiles[1], num_stages=tiles[2], launch_pdl=pdl)
     if splits > 1:
         _merge_kernel[(batch, num_q_heads)](part_out, part_lse, out, out.stride(0), out.stride(1), v_scale,
-                                           NUM_Q_HEADS=num_q_heads, HEAD_DIM=head_dim, NUM_SPLITS=splits)
+                                           NUM_Q_HEADS=num_q_heads, HEAD_DIM=head_dim, NUM_SPLITS=splits, PDL=pdl,
+                                           launch_pdl=pdl)
     return out

@@ -13,13 +13,18 @@ import torch
 import triton
 import triton.language as tl
 
+from ..pdl import launch_dependents, pdl_enabled, wait
+
 
 @triton.jit
 def _rmsnorm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, n_cols, x_stride, res_stride, out_stride, eps,
-                    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+                    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    launch_dependents(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    wait(PDL)
     x = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0)
     if HAS_RESIDUAL:
         # The sum is rounded to the residual stream's dtype first, as `x + residual` in torch is.
@@ -27,14 +32,15 @@ def _rmsnorm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, n_cols, x_stride, res_stride
         tl.store(res_ptr + row * res_stride + cols, x, mask=mask)
     xf = x.to(tl.float32)
     rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / n_cols + eps)
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + row * out_stride + cols, (xf * rstd * w).to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     out = torch.empty_like(x)
+    pdl = pdl_enabled(x)
     _rmsnorm_kernel[(x.shape[0],)](x, x, weight, out, x.shape[1], x.stride(0), x.stride(0), out.stride(0), eps,
-                                   HAS_RESIDUAL=False, BLOCK=triton.next_power_of_2(x.shape[1]))
+                                   HAS_RESIDUAL=False, BLOCK=triton.next_power_of_2(x.shape[1]), PDL=pdl,
+                                   launch_pdl=pdl)
     return out
 
 
@@ -42,13 +48,17 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                  eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """residual += x (in place); returns (rms_norm(residual), residual)."""
     out = torch.empty_like(x)
+    pdl = pdl_enabled(x)
     _rmsnorm_kernel[(x.shape[0],)](x, residual, weight, out, x.shape[1], x.stride(0), residual.stride(0),
-                                   out.stride(0), eps, HAS_RESIDUAL=True, BLOCK=triton.next_power_of_2(x.shape[1]))
+                                   out.stride(0), eps, HAS_RESIDUAL=True, BLOCK=triton.next_power_of_2(x.shape[1]),
+                                   PDL=pdl, launch_pdl=pdl)
     return out, residual
 
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, n_cols, x_stride, out_stride, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(x_ptr, out_ptr, n_cols, x_stride, out_stride, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    launch_dependents(PDL)
+    wait(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -64,13 +74,17 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     n = x.shape[1] // 2
     out = torch.empty((x.shape[0], n), dtype=x.dtype, device=x.device)
     block = 1024
-    _silu_and_mul_kernel[(x.shape[0], triton.cdiv(n, block))](x, out, n, x.stride(0), out.stride(0), BLOCK=block)
+    pdl = pdl_enabled(x)
+    _silu_and_mul_kernel[(x.shape[0], triton.cdiv(n, block))](x, out, n, x.stride(0), out.stride(0), BLOCK=block,
+                                                              PDL=pdl, launch_pdl=pdl)
     return out
 
 
 @triton.jit
 def _rotary_kernel(x_ptr, pos_ptr, cos_ptr, sin_ptr, x_stride_t, x_stride_h, cache_stride, num_heads,
-                   HALF: tl.constexpr, BLOCK_H: tl.constexpr):
+                   HALF: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr):
+    launch_dependents(PDL)
+    wait(PDL)  # positions are written by the step's input copies, read after
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + t).to(tl.int64)
     d = tl.arange(0, HALF)
@@ -93,14 +107,17 @@ def rotary_inplace(positions: torch.Tensor, x: torch.Tensor, cos_cache: torch.Te
     """Rotates x: [T, H, D] (any token/head strides, unit feature stride) in place."""
     num_tokens, num_heads, head_dim = x.shape
     block_h = min(triton.next_power_of_2(num_heads), 16)
+    pdl = pdl_enabled(x)
     _rotary_kernel[(num_tokens, triton.cdiv(num_heads, block_h))](
         x, positions, cos_cache, sin_cache, x.stride(0), x.stride(1), cos_cache.stride(0), num_heads,
-        HALF=head_dim // 2, BLOCK_H=block_h)
+        HALF=head_dim // 2, BLOCK_H=block_h, PDL=pdl, launch_pdl=pdl)
 
 
 @triton.jit
 def _store_kv_kernel(k_ptr, v_ptr, slot_ptr, k_buf_ptr, v_buf_ptr, k_stride_t, k_stride_h, v_stride_t, v_stride_h,
-                     buf_stride_h, buf_stride_s, HEAD_DIM: tl.constexpr):
+                     buf_stride_h, buf_stride_s, HEAD_DIM: tl.constexpr, PDL: tl.constexpr):
+    launch_dependents(PDL)
+    wait(PDL)
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
     slot = tl.load(slot_ptr + t).to(tl.int64)
@@ -113,6 +130,7 @@ def _store_kv_kernel(k_ptr, v_ptr, slot_ptr, k_buf_ptr, v_buf_ptr, k_stride_t, k
 def store_kv(k_buf: torch.Tensor, v_buf: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
     """k_buf, v_buf: [Hkv, S, D] head-major pool; k, v: [T, Hkv, D] (strided is fine)."""
     num_tokens, num_heads, head_dim = k.shape
+    pdl = pdl_enabled(k)
     _store_kv_kernel[(num_tokens, num_heads)](
         k, v, slots, k_buf, v_buf, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        k_buf.stride(0), k_buf.stride(1), HEAD_DIM=head_dim)
+        k_buf.stride(0), k_buf.stride(1), HEAD_DIM=head_dim, PDL=pdl, launch_pdl=pdl)

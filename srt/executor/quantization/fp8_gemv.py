@@ -23,6 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ..pdl import launch_dependents, pdl_enabled, wait
+
 MAX_ROWS = 16  # the dot's smallest M tile; more rows go through _scaled_mm
 
 
@@ -38,7 +40,8 @@ class GemvConfig:
 @triton.jit
 def _fp8_gemv_kernel(x_ptr, w_ptr, scale_ptr, out_ptr, part_ptr, M, N, K, stride_xm, stride_om, k_per_split,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     SPLIT_K: tl.constexpr, EVEN: tl.constexpr):
+                     SPLIT_K: tl.constexpr, EVEN: tl.constexpr, PDL: tl.constexpr):
+    launch_dependents(PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_m = tl.arange(0, BLOCK_M)
@@ -48,10 +51,18 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, scale_ptr, out_ptr, part_ptr, M, N, K, stride
     k_begin = pid_k * k_per_split
     x_rows = x_ptr + offs_m[:, None] * stride_xm
     w_cols = w_ptr + offs_n[None, :].to(tl.int64) * K  # column n of W^T is row n of W: K contiguous
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(k_begin, k_begin + k_per_split, BLOCK_K):
+    # The first weight tile is read before waiting for the kernel that writes x (see pdl.py).
+    offs_k = k_begin + tl.arange(0, BLOCK_K)
+    if EVEN:  # N and the split K are whole tiles: no masks on the weights
+        w = tl.load(w_cols + offs_k[:, None])
+    else:
+        w = tl.load(w_cols + offs_k[:, None], mask=n_mask[None, :] & (offs_k < K)[:, None], other=0.0)
+    wait(PDL)
+    x = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None] & (offs_k < K)[None, :], other=0.0)
+    acc = tl.dot(x, w.to(x.dtype), tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32))
+    for k0 in range(k_begin + BLOCK_K, k_begin + k_per_split, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
-        if EVEN:  # N and the split K are whole tiles: no masks on the weights
+        if EVEN:
             w = tl.load(w_cols + offs_k[:, None])
             x = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None], other=0.0)
         else:
@@ -71,17 +82,27 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, scale_ptr, out_ptr, part_ptr, M, N, K, stride
 
 @triton.jit
 def _fp8_gemv_row_kernel(x_ptr, w_ptr, scale_ptr, out_ptr, part_ptr, N, K, k_per_split,
-                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, EVEN: tl.constexpr):
+                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, EVEN: tl.constexpr,
+                         PDL: tl.constexpr):
     """One row (batch-1 decode): plain multiply-adds on [BLOCK_N, BLOCK_K] tiles read in the
     weight's own row-major layout, summed across K once at the end; no tensor-core layouts."""
+    launch_dependents(PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
     k_begin = pid_k * k_per_split
     w_rows = w_ptr + offs_n[:, None].to(tl.int64) * K
-    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    for k0 in range(k_begin, k_begin + k_per_split, BLOCK_K):
+    # The first weight tile is read before waiting for the kernel that writes x (see pdl.py).
+    offs_k = k_begin + tl.arange(0, BLOCK_K)
+    if EVEN:
+        w = tl.load(w_rows + offs_k[None, :])
+    else:
+        w = tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None] & (offs_k < K)[None, :], other=0.0)
+    wait(PDL)
+    x = tl.load(x_ptr + offs_k, mask=offs_k < K, other=0.0)
+    acc = w.to(tl.float32) * x.to(tl.float32)[None, :]
+    for k0 in range(k_begin + BLOCK_K, k_begin + k_per_split, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         if EVEN:
             w = tl.load(w_rows + offs_k[None, :])
@@ -100,15 +121,19 @@ def _fp8_gemv_row_kernel(x_ptr, w_ptr, scale_ptr, out_ptr, part_ptr, N, K, k_per
 
 
 @triton.jit
-def _sum_splits_kernel(part_ptr, scale_ptr, out_ptr, M, N, stride_om, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr):
+def _sum_splits_kernel(part_ptr, scale_ptr, out_ptr, M, N, stride_om, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr,
+                       PDL: tl.constexpr):
+    launch_dependents(PDL)
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < M * N
+    m = offs // N
+    n = offs % N
+    scale = tl.load(scale_ptr + n, mask=mask, other=0.0)
+    wait(PDL)
     acc = tl.zeros([BLOCK], dtype=tl.float32)
     for s in tl.static_range(SPLIT_K):
         acc += tl.load(part_ptr + s * M * N + offs, mask=mask, other=0.0)
-    m = offs // N
-    n = offs % N
-    acc *= tl.load(scale_ptr + n, mask=mask, other=0.0)
+    acc *= scale
     tl.store(out_ptr + m * stride_om + n, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -162,16 +187,18 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, 
     even = n % config.block_n == 0 and k % config.block_k == 0 and k_per_split * split == k
     part = torch.empty((split, rows, n), dtype=torch.float32, device=x.device) if split > 1 else out
     grid = (triton.cdiv(n, config.block_n), split)
+    pdl = pdl_enabled(x)
     if rows == 1:
         _fp8_gemv_row_kernel[grid](x, weight, weight_scale, out, part, n, k, k_per_split, BLOCK_N=config.block_n,
-                                   BLOCK_K=config.block_k, SPLIT_K=split, EVEN=even, num_warps=config.num_warps,
-                                   num_stages=config.num_stages)
+                                   BLOCK_K=config.block_k, SPLIT_K=split, EVEN=even, PDL=pdl, num_warps=config.num_warps,
+                                   num_stages=config.num_stages, launch_pdl=pdl)
     else:
         _fp8_gemv_kernel[grid](x, weight, weight_scale, out, part, rows, n, k, x.stride(0), out.stride(0),
                                k_per_split, BLOCK_M=16, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-                               SPLIT_K=split, EVEN=even, num_warps=config.num_warps, num_stages=config.num_stages)
+                               SPLIT_K=split, EVEN=even, PDL=pdl, num_warps=config.num_warps,
+                               num_stages=config.num_stages, launch_pdl=pdl)
     if split > 1:
         block = 1024
         _sum_splits_kernel[(triton.cdiv(rows * n, block),)](part, weight_scale, out, rows, n, out.stride(0),
-                                                            SPLIT_K=split, BLOCK=block)
+                                                            SPLIT_K=split, BLOCK=block, PDL=pdl, launch_pdl=pdl)
     return out

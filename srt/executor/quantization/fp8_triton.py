@@ -7,6 +7,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ..pdl import launch_dependents, pdl_enabled, wait
+
 _FP8_MAX = 448.0
 _EPS = 1e-12
 
@@ -48,7 +50,9 @@ def quantize_per_token_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
 @triton.jit
 def _store_kv_fp8_kernel(k_ptr, v_ptr, slot_ptr, k_buf_ptr, v_buf_ptr, k_stride_t, k_stride_h, v_stride_t,
                          v_stride_h, buf_stride_h, buf_stride_s, inv_k_scale, inv_v_scale, FP8_MAX: tl.constexpr,
-                         HEAD_DIM: tl.constexpr):
+                         HEAD_DIM: tl.constexpr, PDL: tl.constexpr):
+    launch_dependents(PDL)
+    wait(PDL)
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
     slot = tl.load(slot_ptr + t).to(tl.int64)
@@ -65,6 +69,8 @@ def store_kv_fp8(k_buf: torch.Tensor, v_buf: torch.Tensor, slots: torch.Tensor, 
     """Stores k / k_scale and v / v_scale, saturated to e4m3, into the head-major FP8 pool
     (k_buf, v_buf: [Hkv, S, D]; k, v: [T, Hkv, D], any token/head strides) in one launch."""
     num_tokens, num_heads, head_dim = k.shape
+    pdl = pdl_enabled(k)
     _store_kv_fp8_kernel[(num_tokens, num_heads)](
         k, v, slots, k_buf, v_buf, k.stride(0), k.stride(1), v.stride(0), v.stride(1), k_buf.stride(0),
-        k_buf.stride(1), 1.0 / k_scale, 1.0 / v_scale, FP8_MAX=_FP8_MAX, HEAD_DIM=head_dim)
+        k_buf.stride(1), 1.0 / k_scale, 1.0 / v_scale, FP8_MAX=_FP8_MAX, HEAD_DIM=head_dim, PDL=pdl,
+        launch_pdl=pdl)
