@@ -70,6 +70,58 @@ def test_decode_sized_batches_take_the_gemv_kernel(rows, shape):
         assert rel < 5e-3, rel  # bf16 output rounding (and, for _scaled_mm, an x value moved by one e4m3 step)
 
 
+@pytest.mark.parametrize("rows", [1, 5, 17])
+def test_down_projection_fuses_silu_and_mul_bitwise(rows):
+    """The gated MLP's FP8 down projection takes [gate | up] and applies silu(gate) * up inside
+    the GEMV for decode-sized batches: bit for bit what the activation kernel and then the
+    projection give; beyond GEMV_MAX_ROWS it declines and the caller runs both."""
+    from radixlm.srt.executor.models.layers import GatedMLP
+    from radixlm.srt.executor.models.ops import TritonOps
+    from radixlm.srt.executor.models.triton_ops import silu_and_mul
+    from radixlm.srt.executor.quantization.fp8 import quantize_model_fp8
+
+    torch.manual_seed(rows)
+    mlp = GatedMLP(512, 1536, "silu", TritonOps).to(device="cuda", dtype=DTYPE)
+    quantize_model_fp8(mlp, torch.device("cuda"))
+    assert isinstance(mlp.down_proj, Fp8Linear)
+    gate_up = torch.randn(rows, 2 * 1536, device="cuda", dtype=DTYPE)
+    fused = mlp.down_proj.forward_silu_and_mul(gate_up)
+    if rows > GEMV_MAX_ROWS:
+        assert fused is None
+    else:
+        assert torch.equal(fused, mlp.down_proj(silu_and_mul(gate_up)))
+    x = torch.randn(rows, 512, device="cuda", dtype=DTYPE)
+    assert torch.equal(mlp(x), mlp.down_proj(silu_and_mul(mlp.gate_up_proj(x))))
+
+
+@pytest.mark.parametrize("rows", [1, 5, 17])
+def test_projection_after_a_norm_applies_it_in_the_gemv(rows):
+    """RMSNorm.forward_into(FP8 projection): the GEMV normalises x (+ residual) itself for
+    decode-sized batches. The residual it returns is bit for bit the add kernel's; the product
+    matches norm-then-project to the norm's rounding (its sum of squares is added in another
+    order, which may move a normalised value by one bf16 step)."""
+    from radixlm.srt.executor.models.layers import RMSNorm
+    from radixlm.srt.executor.models.ops import TritonOps
+
+    torch.manual_seed(rows)
+    norm = RMSNorm(512, 1e-5, TritonOps).to(device="cuda", dtype=DTYPE)
+    norm.weight.data.uniform_(0.5, 1.5)
+    proj = Fp8Linear.from_linear(nn.Linear(512, 1536, bias=False, device="cuda", dtype=DTYPE))
+    x = torch.randn(rows, 512, device="cuda", dtype=DTYPE)
+    residual = torch.randn(rows, 512, device="cuda", dtype=DTYPE)
+    if rows <= GEMV_MAX_ROWS:
+        assert proj.forward_rms_norm(x, residual, norm.weight, norm.eps) is not None
+    got, got_residual = norm.forward_into(proj, x, residual.clone())
+    h, want_residual = norm.forward_add(x, residual.clone())
+    assert torch.equal(got_residual, want_residual)
+    want = proj(h).float()
+    assert ((got.float() - want).norm() / want.norm()).item() < 5e-3
+    got, same = norm.forward_into(proj, x, None)
+    assert same is x
+    want = proj(norm(x)).float()
+    assert ((got.float() - want).norm() / want.norm()).item() < 5e-3
+
+
 def test_fp8_linear_cuda_float16_model():
     """fp16 models: the row-wise GEMM makes bf16, cast to fp16 after."""
     lin = nn.Linear(256, 128, bias=False, device="cuda", dtype=torch.float16)
