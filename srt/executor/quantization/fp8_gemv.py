@@ -39,8 +39,8 @@ class GemvConfig:
 
 # What the kernels multiply the weights by (PROLOGUE): the activations as they are, or computed
 # from their inputs on the fly, so the kernel that would have computed them is not launched.
-PLAIN, SILU_MUL, RMS_NORM, ADD_RMS_NORM = 0, 1, 2, 3
-PROLOGUES = {"plain": PLAIN, "silu_mul": SILU_MUL, "rms_norm": RMS_NORM, "add_rms_norm": ADD_RMS_NORM}
+PROLOGUES = {"plain": 0, "silu_mul": 1, "rms_norm": 2, "add_rms_norm": 3}
+PLAIN, SILU_MUL, RMS_NORM, ADD_RMS_NORM = (tl.constexpr(PROLOGUES[name]) for name in PROLOGUES)
 
 
 @triton.jit
@@ -254,10 +254,11 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, 
                       in a new tensor (`residual` is left as it was: other programs still read it).
     """
     prologue = PROLOGUES[prologue]
+    norm = prologue >= PROLOGUES["rms_norm"]
     if x.stride(-1) != 1:
         x = x.contiguous()
     rows, k = x.shape
-    if prologue == SILU_MUL:
+    if prologue == PROLOGUES["silu_mul"]:
         k //= 2
     n = weight.shape[0]
     if weight.shape[1] != k:
@@ -268,18 +269,18 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, 
         config = gemv_config(rows, n, k, _sm_count(x.device.index or 0))
     out = torch.empty((rows, n), dtype=out_dtype, device=x.device)
     new_res = x
-    if prologue == ADD_RMS_NORM:
+    if prologue == PROLOGUES["add_rms_norm"]:
         if residual.stride(-1) != 1:
             residual = residual.contiguous()
         new_res = torch.empty((rows, k), dtype=x.dtype, device=x.device)
     if rows == 0:
-        return out if prologue < RMS_NORM else (out, new_res)
+        return (out, new_res) if norm else out
     split = config.split_k
     k_per_split = triton.cdiv(triton.cdiv(k, split), config.block_k) * config.block_k
     even = n % config.block_n == 0 and k % config.block_k == 0 and k_per_split * split == k
     part = torch.empty((split, rows, n), dtype=torch.float32, device=x.device) if split > 1 else out
-    res = residual if prologue == ADD_RMS_NORM else x
-    norm_w = norm_weight if prologue >= RMS_NORM else x
+    res = residual if prologue == PROLOGUES["add_rms_norm"] else x
+    norm_w = norm_weight if norm else x
     grid = (triton.cdiv(n, config.block_n), split)
     pdl = pdl_enabled(x)
     if rows == 1:
@@ -296,4 +297,4 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, 
         block = 1024
         _sum_splits_kernel[(triton.cdiv(rows * n, block),)](part, weight_scale, out, rows, n, out.stride(0),
                                                             SPLIT_K=split, BLOCK=block, PDL=pdl, launch_pdl=pdl)
-    return out if prologue < RMS_NORM else (out, new_res)
+    return (out, new_res) if norm else out
