@@ -94,34 +94,6 @@ def test_down_projection_fuses_silu_and_mul_bitwise(rows):
     assert torch.equal(mlp(x), mlp.down_proj(silu_and_mul(mlp.gate_up_proj(x))))
 
 
-@pytest.mark.parametrize("rows", [1, 5, 17])
-def test_projection_after_a_norm_applies_it_in_the_gemv(rows):
-    """RMSNorm.forward_into(FP8 projection): the GEMV normalises x (+ residual) itself for
-    decode-sized batches. The residual it returns is bit for bit the add kernel's; the product
-    matches norm-then-project to the norm's rounding (its sum of squares is added in another
-    order, which may move a normalised value by one bf16 step)."""
-    from radixlm.srt.executor.models.layers import RMSNorm
-    from radixlm.srt.executor.models.ops import TritonOps
-
-    torch.manual_seed(rows)
-    norm = RMSNorm(512, 1e-5, TritonOps).to(device="cuda", dtype=DTYPE)
-    norm.weight.data.uniform_(0.5, 1.5)
-    proj = Fp8Linear.from_linear(nn.Linear(512, 1536, bias=False, device="cuda", dtype=DTYPE))
-    x = torch.randn(rows, 512, device="cuda", dtype=DTYPE)
-    residual = torch.randn(rows, 512, device="cuda", dtype=DTYPE)
-    if rows <= GEMV_MAX_ROWS:
-        assert proj.forward_rms_norm(x, residual, norm.weight, norm.eps) is not None
-    got, got_residual = norm.forward_into(proj, x, residual.clone())
-    h, want_residual = norm.forward_add(x, residual.clone())
-    assert torch.equal(got_residual, want_residual)
-    want = proj(h).float()
-    assert ((got.float() - want).norm() / want.norm()).item() < 5e-3
-    got, same = norm.forward_into(proj, x, None)
-    assert same is x
-    want = proj(norm(x)).float()
-    assert ((got.float() - want).norm() / want.norm()).item() < 5e-3
-
-
 def test_fp8_linear_cuda_float16_model():
     """fp16 models: the row-wise GEMM makes bf16, cast to fp16 after."""
     lin = nn.Linear(256, 128, bias=False, device="cuda", dtype=torch.float16)

@@ -52,16 +52,15 @@ class DecoderLayer(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
                 rotary: RotaryEmbedding, attn: AttentionBackend) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (this layer's MLP output, the residual stream before it is added)."""
-        # Each norm goes into the projection after it (forward_into), which may apply it itself.
-        qkv, residual = self.input_layernorm.forward_into(self.self_attn.qkv_proj, x, residual)
-        h = self.self_attn.forward_qkv(qkv, positions, rotary, attn)
+        if residual is None:
+            residual, h = x, self.input_layernorm(x)
+        else:
+            h, residual = self.input_layernorm.forward_add(x, residual)
+        h = self.self_attn(h, positions, rotary, attn)
         if self.sandwich:
             h = self.post_attention_layernorm(h)
             h, residual = self.pre_feedforward_layernorm.forward_add(h, residual)
             return self.post_feedforward_layernorm(self.mlp(h)), residual
-        if isinstance(self.mlp, GatedMLP):
-            gate_up, residual = self.post_attention_layernorm.forward_into(self.mlp.gate_up_proj, h, residual)
-            return self.mlp.forward_gate_up(gate_up), residual
         h, residual = self.post_attention_layernorm.forward_add(h, residual)
         return self.mlp(h), residual
 

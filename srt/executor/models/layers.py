@@ -40,20 +40,6 @@ class RMSNorm(nn.Module):
         """(norm(x + residual), x + residual); the Triton version updates `residual` in place."""
         return self.ops.add_rms_norm(x, residual, self._scale(), self.eps)
 
-    def forward_into(self, proj: nn.Module, x: torch.Tensor,
-                     residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """(proj(norm(x + residual)), x + residual), or (proj(norm(x)), x) without a residual:
-        one launch where the projection can apply the norm itself (FP8 decode batches)."""
-        fused = getattr(proj, "forward_rms_norm", None)
-        if fused is not None and not self.offset:
-            done = fused(x, residual, self.weight, self.eps)
-            if done is not None:
-                return done
-        if residual is None:
-            return proj(self(x)), x
-        h, residual = self.forward_add(x, residual)
-        return proj(h), residual
-
 
 class Attention(nn.Module):
     """`config` holds this rank's heads (sharding.py); o_proj is row parallel: its partial sums
@@ -77,11 +63,7 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding,
                 attn: AttentionBackend) -> torch.Tensor:
-        return self.forward_qkv(self.qkv_proj(x), positions, rotary, attn)
-
-    def forward_qkv(self, qkv: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding,
-                    attn: AttentionBackend) -> torch.Tensor:
-        """The rest of forward, from qkv_proj's output."""
+        qkv = self.qkv_proj(x)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
@@ -106,10 +88,7 @@ class GatedMLP(nn.Module):
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.forward_gate_up(self.gate_up_proj(x))
-
-    def forward_gate_up(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """The rest of forward, from gate_up_proj's output."""
+        gate_up = self.gate_up_proj(x)
         out = None
         if self.hidden_act == "silu" and hasattr(self.down_proj, "forward_silu_and_mul"):  # FP8 decode: one launch
             out = self.down_proj.forward_silu_and_mul(gate_up)

@@ -103,30 +103,16 @@ class Fp8Linear(nn.Module):
             out = self._cpu_scaled_mm(xq, x_scale)
         return self._finish(out.to(self.out_dtype), lead)
 
-    # The prologues below fold the kernel that makes this projection's input into its GEMV, for
-    # decode-sized batches (at batch 1 each such kernel is a few microseconds of a ~3 ms step).
-    # Each returns None where it does not apply; the caller then runs the two steps.
-
-    def _takes_gemv(self, x2: torch.Tensor) -> bool:
-        return x2.is_cuda and _fp8_gemv is not None and x2.shape[0] <= GEMV_MAX_ROWS and x2.dtype in _GEMV_DTYPES
-
     def forward_silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor | None:
-        """forward(silu(gate) * up) for [T, 2 * in_features] rows holding gate then up."""
-        if gate_up.dim() != 2 or not self._takes_gemv(gate_up):
+        """forward(silu(gate) * up) for [T, 2 * in_features] rows holding gate then up, in one
+        fp8_gemv launch for decode-sized batches (at batch 1 the activation's own kernel is a
+        few microseconds of a ~3 ms step); None where that path does not apply (the caller
+        then runs the activation and forward)."""
+        if not (gate_up.dim() == 2 and gate_up.is_cuda and _fp8_gemv is not None
+                and gate_up.shape[0] <= GEMV_MAX_ROWS and gate_up.dtype in _GEMV_DTYPES):
             return None
-        return self._finish(_fp8_gemv(gate_up, self.weight, self.weight_scale, self.out_dtype, prologue="silu_mul"),
+        return self._finish(_fp8_gemv(gate_up, self.weight, self.weight_scale, self.out_dtype, silu_mul=True),
                             gate_up.shape[:-1])
-
-    def forward_rms_norm(self, x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
-                         eps: float) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(forward(rms_norm(x + residual) * norm_weight), x + residual) for [T, in_features]
-        rows; without a residual, (forward(rms_norm(x) * norm_weight), x)."""
-        if x.dim() != 2 or not self._takes_gemv(x) or (residual is not None and residual.dtype != x.dtype):
-            return None
-        prologue = "rms_norm" if residual is None else "add_rms_norm"
-        out, residual = _fp8_gemv(x, self.weight, self.weight_scale, self.out_dtype, prologue=prologue,
-                                  residual=residual, norm_weight=norm_weight, eps=eps)
-        return self._finish(out, x.shape[:-1]), residual
 
     def _finish(self, out: torch.Tensor, lead: torch.Size) -> torch.Tensor:
         if self.bias is not None:

@@ -37,70 +37,25 @@ class GemvConfig:
     num_stages: int
 
 
-# What the kernels multiply the weights by (PROLOGUE): the activations as they are, or computed
-# from their inputs on the fly, so the kernel that would have computed them is not launched.
-PROLOGUES = {"plain": 0, "silu_mul": 1, "rms_norm": 2, "add_rms_norm": 3}
-PLAIN, SILU_MUL, RMS_NORM, ADD_RMS_NORM = (tl.constexpr(PROLOGUES[name]) for name in PROLOGUES)
 
 
 @triton.jit
-def _row_rstd(x_ptr, res_ptr, new_res_ptr, K, eps, res_end, PROLOGUE: tl.constexpr, BLOCK: tl.constexpr):
-    """1 / rms of one row (of x + residual with ADD_RMS_NORM, whose rounded sum also goes to
-    new_res_ptr up to column res_end: K for the first program, 0 for the others)."""
-    acc = tl.zeros([BLOCK], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK):
-        offs = k0 + tl.arange(0, BLOCK)
-        mask = offs < K
-        x = tl.load(x_ptr + offs, mask=mask, other=0.0)
-        if PROLOGUE == ADD_RMS_NORM:
-            x = (x + tl.load(res_ptr + offs, mask=mask, other=0.0)).to(x.dtype)
-            tl.store(new_res_ptr + offs, x, mask=offs < res_end)
-        xf = x.to(tl.float32)
-        acc += xf * xf
-    return 1.0 / tl.sqrt(tl.sum(acc, axis=0) / K + eps)
-
-
-@triton.jit
-def _rows_rstd(x_rows, res_rows, new_res_rows, m_mask, K, eps, res_end, PROLOGUE: tl.constexpr,
-               BLOCK_M: tl.constexpr, BLOCK: tl.constexpr):
-    """_row_rstd for BLOCK_M rows at once (x_rows etc.: [BLOCK_M, 1] row pointers) -> [BLOCK_M, 1]."""
-    acc = tl.zeros([BLOCK_M, BLOCK], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK):
-        offs = k0 + tl.arange(0, BLOCK)[None, :]
-        mask = m_mask & (offs < K)
-        x = tl.load(x_rows + offs, mask=mask, other=0.0)
-        if PROLOGUE == ADD_RMS_NORM:
-            x = (x + tl.load(res_rows + offs, mask=mask, other=0.0)).to(x.dtype)
-            tl.store(new_res_rows + offs, x, mask=m_mask & (offs < res_end))
-        xf = x.to(tl.float32)
-        acc += xf * xf
-    return 1.0 / tl.sqrt(tl.sum(acc, axis=1)[:, None] / K + eps)
-
-
-@triton.jit
-def _load_x(x_ptr, res_ptr, norm_w_ptr, offs, k_offs, mask, k_mask, K, rstd, PROLOGUE: tl.constexpr):
-    """The activations at `offs` (k_offs: their columns), rounded as the kernel each prologue
-    replaces rounds them: triton_ops.silu_and_mul (x holds [gate | up], K each) and
-    triton_ops.rms_norm / add_rms_norm."""
-    if PROLOGUE == SILU_MUL:
+def _load_x(x_ptr, offs, mask, K, SILU_MUL: tl.constexpr):
+    """The activations at `offs`; with SILU_MUL, x_ptr holds [gate | up] (K each) and this is
+    silu(gate) * up, rounded as triton_ops.silu_and_mul rounds it (so both paths agree bitwise):
+    the gated MLP's down projection then needs no kernel for its activation."""
+    if SILU_MUL:
         gate = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         up = tl.load(x_ptr + K + offs, mask=mask, other=0.0)
         return (gate / (1.0 + tl.exp(-gate))).to(up.dtype) * up
-    elif PROLOGUE == PLAIN:
-        return tl.load(x_ptr + offs, mask=mask, other=0.0)
     else:
-        x = tl.load(x_ptr + offs, mask=mask, other=0.0)
-        if PROLOGUE == ADD_RMS_NORM:
-            x = (x + tl.load(res_ptr + offs, mask=mask, other=0.0)).to(x.dtype)
-        norm_w = tl.load(norm_w_ptr + k_offs, mask=k_mask, other=0.0).to(tl.float32)
-        return (x.to(tl.float32) * rstd * norm_w).to(x.dtype)
+        return tl.load(x_ptr + offs, mask=mask, other=0.0)
 
 
 @triton.jit
-def _fp8_gemv_kernel(x_ptr, w_ptr, scale_ptr, out_ptr, part_ptr, res_ptr, norm_w_ptr, new_res_ptr, M, N, K,
-                     stride_xm, stride_om, stride_rm, k_per_split, eps,
+def _fp8_gemv_kernel(x_ptr, w_ptr, scale_ptr, out_ptr, part_ptr, M, N, K, stride_xm, stride_om, k_per_split,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     SPLIT_K: tl.constexpr, EVEN: tl.constexpr, PROLOGUE: tl.constexpr, PDL: tl.constexpr):
+                     SPLIT_K: tl.constexpr, EVEN: tl.constexpr, SILU_MUL: tl.constexpr, PDL: tl.constexpr):
     launch_dependents(PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -110,7 +65,6 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, scale_ptr, out_ptr, part_ptr, res_ptr, norm_w
     n_mask = offs_n < N
     k_begin = pid_k * k_per_split
     x_rows = x_ptr + offs_m[:, None] * stride_xm
-    res_rows = res_ptr + offs_m[:, None] * stride_rm
     w_cols = w_ptr + offs_n[None, :].to(tl.int64) * K  # column n of W^T is row n of W: K contiguous
     # The first weight tile is read before waiting for the kernel that writes x (see pdl.py).
     offs_k = k_begin + tl.arange(0, BLOCK_K)
@@ -119,14 +73,7 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, scale_ptr, out_ptr, part_ptr, res_ptr, norm_w
     else:
         w = tl.load(w_cols + offs_k[:, None], mask=n_mask[None, :] & (offs_k < K)[:, None], other=0.0)
     wait(PDL)
-    rstd = 1.0
-    if PROLOGUE >= RMS_NORM:
-        res_end = tl.where((pid_n == 0) & (pid_k == 0), K, 0)
-        rstd = _rows_rstd(x_rows, res_rows, new_res_ptr + offs_m[:, None] * K, m_mask[:, None], K, eps, res_end,
-                          PROLOGUE, BLOCK_M, BLOCK_K)
-    k_mask = offs_k < K
-    x = _load_x(x_rows, res_rows, norm_w_ptr, offs_k[None, :], offs_k[None, :], m_mask[:, None] & k_mask[None, :],
-                k_mask[None, :], K, rstd, PROLOGUE)
+    x = _load_x(x_rows, offs_k[None, :], m_mask[:, None] & (offs_k < K)[None, :], K, SILU_MUL)
     acc = tl.dot(x, w.to(x.dtype), tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32))
     for k0 in range(k_begin + BLOCK_K, k_begin + k_per_split, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
@@ -135,8 +82,7 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, scale_ptr, out_ptr, part_ptr, res_ptr, norm_w
             w = tl.load(w_cols + offs_k[:, None])
         else:
             w = tl.load(w_cols + offs_k[:, None], mask=n_mask[None, :] & k_mask[:, None], other=0.0)
-        x = _load_x(x_rows, res_rows, norm_w_ptr, offs_k[None, :], offs_k[None, :],
-                    m_mask[:, None] & k_mask[None, :], k_mask[None, :], K, rstd, PROLOGUE)
+        x = _load_x(x_rows, offs_k[None, :], m_mask[:, None] & k_mask[None, :], K, SILU_MUL)
         acc = tl.dot(x, w.to(x.dtype), acc)
     if SPLIT_K == 1:
         scale = tl.load(scale_ptr + offs_n, mask=n_mask, other=0.0)
@@ -149,9 +95,9 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, scale_ptr, out_ptr, part_ptr, res_ptr, norm_w
 
 
 @triton.jit
-def _fp8_gemv_row_kernel(x_ptr, w_ptr, scale_ptr, out_ptr, part_ptr, res_ptr, norm_w_ptr, new_res_ptr, N, K,
-                         k_per_split, eps, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-                         EVEN: tl.constexpr, PROLOGUE: tl.constexpr, PDL: tl.constexpr):
+def _fp8_gemv_row_kernel(x_ptr, w_ptr, scale_ptr, out_ptr, part_ptr, N, K, k_per_split,
+                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, EVEN: tl.constexpr,
+                         SILU_MUL: tl.constexpr, PDL: tl.constexpr):
     """One row (batch-1 decode): plain multiply-adds on [BLOCK_N, BLOCK_K] tiles read in the
     weight's own row-major layout, summed across K once at the end; no tensor-core layouts."""
     launch_dependents(PDL)
@@ -168,12 +114,7 @@ def _fp8_gemv_row_kernel(x_ptr, w_ptr, scale_ptr, out_ptr, part_ptr, res_ptr, no
     else:
         w = tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None] & (offs_k < K)[None, :], other=0.0)
     wait(PDL)
-    rstd = 1.0
-    if PROLOGUE >= RMS_NORM:
-        res_end = tl.where((pid_n == 0) & (pid_k == 0), K, 0)
-        rstd = _row_rstd(x_ptr, res_ptr, new_res_ptr, K, eps, res_end, PROLOGUE, BLOCK_K)
-    k_mask = offs_k < K
-    x = _load_x(x_ptr, res_ptr, norm_w_ptr, offs_k, offs_k, k_mask, k_mask, K, rstd, PROLOGUE)
+    x = _load_x(x_ptr, offs_k, offs_k < K, K, SILU_MUL)
     acc = w.to(tl.float32) * x.to(tl.float32)[None, :]
     for k0 in range(k_begin + BLOCK_K, k_begin + k_per_split, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
@@ -182,7 +123,7 @@ def _fp8_gemv_row_kernel(x_ptr, w_ptr, scale_ptr, out_ptr, part_ptr, res_ptr, no
             w = tl.load(w_rows + offs_k[None, :])
         else:
             w = tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
-        x = _load_x(x_ptr, res_ptr, norm_w_ptr, offs_k, offs_k, k_mask, k_mask, K, rstd, PROLOGUE)
+        x = _load_x(x_ptr, offs_k, k_mask, K, SILU_MUL)
         acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
     y = tl.sum(acc, axis=1)
     if SPLIT_K == 1:
@@ -241,24 +182,13 @@ def _row_tiles(n: int) -> tuple[int, int, int, int]:
 
 
 def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, out_dtype: torch.dtype,
-             config: GemvConfig | None = None, prologue: str = "plain", residual: torch.Tensor | None = None,
-             norm_weight: torch.Tensor | None = None, eps: float = 0.0) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+             config: GemvConfig | None = None, silu_mul: bool = False) -> torch.Tensor:
     """[M <= MAX_ROWS, K] (bf16/fp16) x e4m3 [N, K] with float32 scales ([N] or [1, N]) -> [M, N].
-
-    prologue (what multiplies the weight, computed per tile from x so no kernel makes it first):
-      "plain"         x;
-      "silu_mul"      silu(gate) * up, x being [M, 2K] rows of gate then up (the gated MLP's down
-                      projection);
-      "rms_norm"      rms_norm(x) * norm_weight (with eps); returns (out, x);
-      "add_rms_norm"  rms_norm(x + residual) * norm_weight; returns (out, x + residual), the sum
-                      in a new tensor (`residual` is left as it was: other programs still read it).
-    """
-    prologue = PROLOGUES[prologue]
-    norm = prologue >= PROLOGUES["rms_norm"]
+    silu_mul: x is [M, 2K] holding gate then up, and the product is with silu(gate) * up."""
     if x.stride(-1) != 1:
         x = x.contiguous()
     rows, k = x.shape
-    if prologue == PROLOGUES["silu_mul"]:
+    if silu_mul:
         k //= 2
     n = weight.shape[0]
     if weight.shape[1] != k:
@@ -268,33 +198,25 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, 
     if config is None:
         config = gemv_config(rows, n, k, _sm_count(x.device.index or 0))
     out = torch.empty((rows, n), dtype=out_dtype, device=x.device)
-    new_res = x
-    if prologue == PROLOGUES["add_rms_norm"]:
-        if residual.stride(-1) != 1:
-            residual = residual.contiguous()
-        new_res = torch.empty((rows, k), dtype=x.dtype, device=x.device)
     if rows == 0:
-        return (out, new_res) if norm else out
+        return out
     split = config.split_k
     k_per_split = triton.cdiv(triton.cdiv(k, split), config.block_k) * config.block_k
     even = n % config.block_n == 0 and k % config.block_k == 0 and k_per_split * split == k
     part = torch.empty((split, rows, n), dtype=torch.float32, device=x.device) if split > 1 else out
-    res = residual if prologue == PROLOGUES["add_rms_norm"] else x
-    norm_w = norm_weight if norm else x
     grid = (triton.cdiv(n, config.block_n), split)
     pdl = pdl_enabled(x)
     if rows == 1:
-        _fp8_gemv_row_kernel[grid](x, weight, weight_scale, out, part, res, norm_w, new_res, n, k, k_per_split, eps,
-                                   BLOCK_N=config.block_n, BLOCK_K=config.block_k, SPLIT_K=split, EVEN=even,
-                                   PROLOGUE=prologue, PDL=pdl, num_warps=config.num_warps,
-                                   num_stages=config.num_stages, launch_pdl=pdl)
+        _fp8_gemv_row_kernel[grid](x, weight, weight_scale, out, part, n, k, k_per_split, BLOCK_N=config.block_n,
+                                   BLOCK_K=config.block_k, SPLIT_K=split, EVEN=even, SILU_MUL=silu_mul, PDL=pdl,
+                                   num_warps=config.num_warps, num_stages=config.num_stages, launch_pdl=pdl)
     else:
-        _fp8_gemv_kernel[grid](x, weight, weight_scale, out, part, res, norm_w, new_res, rows, n, k, x.stride(0),
-                               out.stride(0), res.stride(0), k_per_split, eps, BLOCK_M=16, BLOCK_N=config.block_n,
-                               BLOCK_K=config.block_k, SPLIT_K=split, EVEN=even, PROLOGUE=prologue, PDL=pdl,
-                               num_warps=config.num_warps, num_stages=config.num_stages, launch_pdl=pdl)
+        _fp8_gemv_kernel[grid](x, weight, weight_scale, out, part, rows, n, k, x.stride(0), out.stride(0),
+                               k_per_split, BLOCK_M=16, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+                               SPLIT_K=split, EVEN=even, SILU_MUL=silu_mul, PDL=pdl, num_warps=config.num_warps,
+                               num_stages=config.num_stages, launch_pdl=pdl)
     if split > 1:
         block = 1024
         _sum_splits_kernel[(triton.cdiv(rows * n, block),)](part, weight_scale, out, rows, n, out.stride(0),
                                                             SPLIT_K=split, BLOCK=block, PDL=pdl, launch_pdl=pdl)
-    return (out, new_res) if norm else out
+    return out
