@@ -11,8 +11,7 @@ weight is read once per step):
 and prints one JSON line per (shape, rows) with GB/s, microseconds and the ratios. The `stack`
 line times the 32 layers' four projections back to back at one row: the GEMM part of a batch-1
 decode step, FP8 (shipped configs) vs bf16, against the bandwidth measured in the same run,
-with and without PDL. The `silu_prologue` lines time the down projection applying silu(gate) * up
-itself against the activation kernel followed by the GEMV.
+and FP8 with and without programmatic dependent launch (srt/executor/pdl.py).
 
     python benchmarks/bench_gpu_fp8_gemv.py [--sweep] --out benchmarks/results/gpu_h200_fp8.jsonl
 """
@@ -153,25 +152,6 @@ def bench_stack(rep: Reporter, bw: dict) -> None:
               "speedup_vs_bf16": round(bf16_us / fp8_us, 3), "bandwidth_tb_s": {k: round(v, 3) for k, v in bw.items()}})
 
 
-def bench_silu_prologue(rep: Reporter) -> None:
-    """The gated MLP's down projection with silu(gate) * up computed inside the GEMV
-    (fp8_gemv(..., silu_mul=True)) against the activation kernel then the GEMV."""
-    from radixlm.srt.executor.models.triton_ops import silu_and_mul
-    from radixlm.srt.executor.quantization.fp8_gemv import fp8_gemv
-
-    n, k = SHAPES["down_proj"]
-    _, fp8 = weights(n, k, max(2, -(-3 * L2_BYTES // (n * k))))
-    for rows in (1, 8):
-        gate_up = torch.randn(rows, 2 * k, device="cuda", dtype=torch.bfloat16)
-        separate = graph_time_us([lambda q=q, s=s: fp8_gemv(silu_and_mul(gate_up), q, s, torch.bfloat16)
-                                  for q, s in fp8])
-        fused = graph_time_us([lambda q=q, s=s: fp8_gemv(gate_up, q, s, torch.bfloat16, silu_mul=True)
-                               for q, s in fp8])
-        rep.emit({"bench": "gpu_fp8_gemv_silu_prologue", "projection": "down_proj", "n": n, "k": k, "rows": rows,
-                  "fused_us": round(fused, 2), "baseline": "silu_and_mul kernel then fp8_gemv, measured in this run",
-                  "separate_us": round(separate, 2), "speedup": round(separate / fused, 3)})
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", default="1,8,16")
@@ -185,7 +165,6 @@ def main() -> None:
         for name, (n, k) in SHAPES.items():
             bench_shape(rep, name, n, k, rows, args.sweep)
     bench_stack(rep, bw)
-    bench_silu_prologue(rep)
 
 
 if __name__ == "__main__":

@@ -70,30 +70,6 @@ def test_decode_sized_batches_take_the_gemv_kernel(rows, shape):
         assert rel < 5e-3, rel  # bf16 output rounding (and, for _scaled_mm, an x value moved by one e4m3 step)
 
 
-@pytest.mark.parametrize("rows", [1, 5, 17])
-def test_down_projection_fuses_silu_and_mul_bitwise(rows):
-    """The gated MLP's FP8 down projection takes [gate | up] and applies silu(gate) * up inside
-    the GEMV for decode-sized batches: bit for bit what the activation kernel and then the
-    projection give; beyond GEMV_MAX_ROWS it declines and the caller runs both."""
-    from radixlm.srt.executor.models.layers import GatedMLP
-    from radixlm.srt.executor.models.ops import TritonOps
-    from radixlm.srt.executor.models.triton_ops import silu_and_mul
-    from radixlm.srt.executor.quantization.fp8 import quantize_model_fp8
-
-    torch.manual_seed(rows)
-    mlp = GatedMLP(512, 1536, "silu", TritonOps).to(device="cuda", dtype=DTYPE)
-    quantize_model_fp8(mlp, torch.device("cuda"))
-    assert isinstance(mlp.down_proj, Fp8Linear)
-    gate_up = torch.randn(rows, 2 * 1536, device="cuda", dtype=DTYPE)
-    fused = mlp.down_proj.forward_silu_and_mul(gate_up)
-    if rows > GEMV_MAX_ROWS:
-        assert fused is None
-    else:
-        assert torch.equal(fused, mlp.down_proj(silu_and_mul(gate_up)))
-    x = torch.randn(rows, 512, device="cuda", dtype=DTYPE)
-    assert torch.equal(mlp(x), mlp.down_proj(silu_and_mul(mlp.gate_up_proj(x))))
-
-
 def test_fp8_linear_cuda_float16_model():
     """fp16 models: the row-wise GEMM makes bf16, cast to fp16 after."""
     lin = nn.Linear(256, 128, bias=False, device="cuda", dtype=torch.float16)

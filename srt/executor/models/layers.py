@@ -88,13 +88,7 @@ class GatedMLP(nn.Module):
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)
-        out = None
-        if self.hidden_act == "silu" and hasattr(self.down_proj, "forward_silu_and_mul"):  # FP8 decode: one launch
-            out = self.down_proj.forward_silu_and_mul(gate_up)
-        if out is None:
-            out = self.down_proj(act_and_mul(gate_up, self.hidden_act, self.ops))
-        return self.tp.all_reduce(out)
+        return self.tp.all_reduce(self.down_proj(act_and_mul(self.gate_up_proj(x), self.hidden_act, self.ops)))
 
 
 def act_and_mul(gate_up: torch.Tensor, hidden_act: str, ops: type[TorchOps] = TorchOps) -> torch.Tensor:

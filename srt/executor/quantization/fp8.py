@@ -103,17 +103,6 @@ class Fp8Linear(nn.Module):
             out = self._cpu_scaled_mm(xq, x_scale)
         return self._finish(out.to(self.out_dtype), lead)
 
-    def forward_silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor | None:
-        """forward(silu(gate) * up) for [T, 2 * in_features] rows holding gate then up, in one
-        fp8_gemv launch for decode-sized batches (at batch 1 the activation's own kernel is a
-        few microseconds of a ~3 ms step); None where that path does not apply (the caller
-        then runs the activation and forward)."""
-        if not (gate_up.dim() == 2 and gate_up.is_cuda and _fp8_gemv is not None
-                and gate_up.shape[0] <= GEMV_MAX_ROWS and gate_up.dtype in _GEMV_DTYPES):
-            return None
-        return self._finish(_fp8_gemv(gate_up, self.weight, self.weight_scale, self.out_dtype, silu_mul=True),
-                            gate_up.shape[:-1])
-
     def _finish(self, out: torch.Tensor, lead: torch.Size) -> torch.Tensor:
         if self.bias is not None:
             out = out + self.bias

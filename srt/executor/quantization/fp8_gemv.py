@@ -37,25 +37,10 @@ class GemvConfig:
     num_stages: int
 
 
-
-
-@triton.jit
-def _load_x(x_ptr, offs, mask, K, SILU_MUL: tl.constexpr):
-    """The activations at `offs`; with SILU_MUL, x_ptr holds [gate | up] (K each) and this is
-    silu(gate) * up, rounded as triton_ops.silu_and_mul rounds it (so both paths agree bitwise):
-    the gated MLP's down projection then needs no kernel for its activation."""
-    if SILU_MUL:
-        gate = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        up = tl.load(x_ptr + K + offs, mask=mask, other=0.0)
-        return (gate / (1.0 + tl.exp(-gate))).to(up.dtype) * up
-    else:
-        return tl.load(x_ptr + offs, mask=mask, other=0.0)
-
-
 @triton.jit
 def _fp8_gemv_kernel(x_ptr, w_ptr, scale_ptr, out_ptr, part_ptr, M, N, K, stride_xm, stride_om, k_per_split,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     SPLIT_K: tl.constexpr, EVEN: tl.constexpr, SILU_MUL: tl.constexpr, PDL: tl.constexpr):
+                     SPLIT_K: tl.constexpr, EVEN: tl.constexpr, PDL: tl.constexpr):
     launch_dependents(PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -73,16 +58,17 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, scale_ptr, out_ptr, part_ptr, M, N, K, stride
     else:
         w = tl.load(w_cols + offs_k[:, None], mask=n_mask[None, :] & (offs_k < K)[:, None], other=0.0)
     wait(PDL)
-    x = _load_x(x_rows, offs_k[None, :], m_mask[:, None] & (offs_k < K)[None, :], K, SILU_MUL)
+    x = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None] & (offs_k < K)[None, :], other=0.0)
     acc = tl.dot(x, w.to(x.dtype), tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32))
     for k0 in range(k_begin + BLOCK_K, k_begin + k_per_split, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
-        k_mask = offs_k < K
         if EVEN:
             w = tl.load(w_cols + offs_k[:, None])
+            x = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None], other=0.0)
         else:
+            k_mask = offs_k < K
             w = tl.load(w_cols + offs_k[:, None], mask=n_mask[None, :] & k_mask[:, None], other=0.0)
-        x = _load_x(x_rows, offs_k[None, :], m_mask[:, None] & k_mask[None, :], K, SILU_MUL)
+            x = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
         acc = tl.dot(x, w.to(x.dtype), acc)
     if SPLIT_K == 1:
         scale = tl.load(scale_ptr + offs_n, mask=n_mask, other=0.0)
@@ -97,7 +83,7 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, scale_ptr, out_ptr, part_ptr, M, N, K, stride
 @triton.jit
 def _fp8_gemv_row_kernel(x_ptr, w_ptr, scale_ptr, out_ptr, part_ptr, N, K, k_per_split,
                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, EVEN: tl.constexpr,
-                         SILU_MUL: tl.constexpr, PDL: tl.constexpr):
+                         PDL: tl.constexpr):
     """One row (batch-1 decode): plain multiply-adds on [BLOCK_N, BLOCK_K] tiles read in the
     weight's own row-major layout, summed across K once at the end; no tensor-core layouts."""
     launch_dependents(PDL)
@@ -114,16 +100,17 @@ def _fp8_gemv_row_kernel(x_ptr, w_ptr, scale_ptr, out_ptr, part_ptr, N, K, k_per
     else:
         w = tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None] & (offs_k < K)[None, :], other=0.0)
     wait(PDL)
-    x = _load_x(x_ptr, offs_k, offs_k < K, K, SILU_MUL)
+    x = tl.load(x_ptr + offs_k, mask=offs_k < K, other=0.0)
     acc = w.to(tl.float32) * x.to(tl.float32)[None, :]
     for k0 in range(k_begin + BLOCK_K, k_begin + k_per_split, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
-        k_mask = offs_k < K
         if EVEN:
             w = tl.load(w_rows + offs_k[None, :])
+            x = tl.load(x_ptr + offs_k)
         else:
+            k_mask = offs_k < K
             w = tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
-        x = _load_x(x_ptr, offs_k, k_mask, K, SILU_MUL)
+            x = tl.load(x_ptr + offs_k, mask=k_mask, other=0.0)
         acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
     y = tl.sum(acc, axis=1)
     if SPLIT_K == 1:
@@ -182,17 +169,12 @@ def _row_tiles(n: int) -> tuple[int, int, int, int]:
 
 
 def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, out_dtype: torch.dtype,
-             config: GemvConfig | None = None, silu_mul: bool = False) -> torch.Tensor:
-    """[M <= MAX_ROWS, K] (bf16/fp16) x e4m3 [N, K] with float32 scales ([N] or [1, N]) -> [M, N].
-    silu_mul: x is [M, 2K] holding gate then up, and the product is with silu(gate) * up."""
+             config: GemvConfig | None = None) -> torch.Tensor:
+    """[M <= MAX_ROWS, K] (bf16/fp16) x e4m3 [N, K] with float32 scales ([N] or [1, N]) -> [M, N]."""
     if x.stride(-1) != 1:
         x = x.contiguous()
     rows, k = x.shape
-    if silu_mul:
-        k //= 2
     n = weight.shape[0]
-    if weight.shape[1] != k:
-        raise ValueError(f"fp8_gemv: activations of width {k} for a weight of width {weight.shape[1]}")
     if rows > MAX_ROWS:
         raise ValueError(f"fp8_gemv takes at most {MAX_ROWS} rows, got {rows}")
     if config is None:
@@ -208,12 +190,12 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, 
     pdl = pdl_enabled(x)
     if rows == 1:
         _fp8_gemv_row_kernel[grid](x, weight, weight_scale, out, part, n, k, k_per_split, BLOCK_N=config.block_n,
-                                   BLOCK_K=config.block_k, SPLIT_K=split, EVEN=even, SILU_MUL=silu_mul, PDL=pdl,
-                                   num_warps=config.num_warps, num_stages=config.num_stages, launch_pdl=pdl)
+                                   BLOCK_K=config.block_k, SPLIT_K=split, EVEN=even, PDL=pdl, num_warps=config.num_warps,
+                                   num_stages=config.num_stages, launch_pdl=pdl)
     else:
         _fp8_gemv_kernel[grid](x, weight, weight_scale, out, part, rows, n, k, x.stride(0), out.stride(0),
                                k_per_split, BLOCK_M=16, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-                               SPLIT_K=split, EVEN=even, SILU_MUL=silu_mul, PDL=pdl, num_warps=config.num_warps,
+                               SPLIT_K=split, EVEN=even, PDL=pdl, num_warps=config.num_warps,
                                num_stages=config.num_stages, launch_pdl=pdl)
     if split > 1:
         block = 1024
