@@ -84,7 +84,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 def _rotary_kernel(x_ptr, pos_ptr, cos_ptr, sin_ptr, x_stride_t, x_stride_h, cache_stride, num_heads,
                    HALF: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr):
     launch_dependents(PDL)
-    wait(PDL)  # positions are written by the step's input copies, read after
+    wait(PDL)  # q and k come from the projection before
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + t).to(tl.int64)
     d = tl.arange(0, HALF)
