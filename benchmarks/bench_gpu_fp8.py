@@ -112,8 +112,8 @@ def bench_decode(make_engine, rep: Reporter) -> None:
             if name == "fp8_no_pdl":
                 prompt = random_prompts(random.Random(1), [128])[0]
                 profile(lambda: engine.generate(input_ids=prompt, sampling_params={
-                    "temperature": 0, "max_new_tokens": 64, "ignore_eos": True}), "fp8 batch-1 decode without PDL, 64 tokens",
-                    rows=25)
+                    "temperature": 0, "max_new_tokens": 64, "ignore_eos": True}),
+                    "fp8 batch-1 decode without PDL, 64 tokens", rows=25)
         finally:
             fp8_module._fp8_gemv = default_gemv
             pdl.set_enabled(True)

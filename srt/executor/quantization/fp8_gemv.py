@@ -190,8 +190,8 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, 
     pdl = pdl_enabled(x)
     if rows == 1:
         _fp8_gemv_row_kernel[grid](x, weight, weight_scale, out, part, n, k, k_per_split, BLOCK_N=config.block_n,
-                                   BLOCK_K=config.block_k, SPLIT_K=split, EVEN=even, PDL=pdl, num_warps=config.num_warps,
-                                   num_stages=config.num_stages, launch_pdl=pdl)
+                                   BLOCK_K=config.block_k, SPLIT_K=split, EVEN=even, PDL=pdl,
+                                   num_warps=config.num_warps, num_stages=config.num_stages, launch_pdl=pdl)
     else:
         _fp8_gemv_kernel[grid](x, weight, weight_scale, out, part, rows, n, k, x.stride(0), out.stride(0),
                                k_per_split, BLOCK_M=16, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
