@@ -6,10 +6,10 @@ HND layout with a head stride of `slots * D`, which its kernels accept (they rea
 Extend batches use the paged prefill kernel with a causal mask aligned to each request's end,
 so cached prefixes and new tokens are one KV sequence. Over an FP8 pool (no windows) they
 instead attend the new tokens' bf16 K/V as computed (ragged prefill, causal) and the cached
-prefixes' FP8 pages (paged prefill, only when a request has one), merged by log-sum-exp: FlashInfer's
-prefill reading FP8 pages was ~6% slower end to end on the offline workload. Plain decode steps run our Triton kernel
-(triton_decode.py), and cascade steps and layers with windows or soft-caps FlashInfer's
-tensor-core decode kernel (GQA groups share K/V loads). FlashInfer's FA2 kernels throughout:
+prefixes' FP8 pages (paged prefill, only when a request has one), merged by log-sum-exp:
+FlashInfer's prefill reading FP8 pages was ~6% slower end to end on the offline workload.
+Plain decode steps run our Triton kernel (triton_decode.py), and cascade steps and layers with
+windows or soft-caps FlashInfer's tensor-core decode kernel (GQA groups share K/V loads). FlashInfer's FA2 kernels throughout:
 they compile in ~30 s on a fresh machine, FA3 in ~100 s.
 
 Cascade decode: requests holding the same KV slots for a long prefix (cascade_groups.py) are
