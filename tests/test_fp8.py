@@ -274,6 +274,48 @@ def test_paged_decode_kernel_in_the_triton_interpreter():
     assert float(done.stdout.strip().splitlines()[-1]) < 2e-3  # fp16 probabilities and output
 
 
+FUSED_QUANT_CHECK = """
+import torch
+from radixlm.srt.executor.models import triton_ops
+from radixlm.srt.executor.quantization import fp8_triton
+torch.manual_seed(0)
+same = True
+for rows, k in [(3, 96), (17, 256)]:
+    x, res, w = torch.randn(rows, k).half() * 3, torch.randn(rows, k).half(), torch.rand(k).half() + 0.5
+    for residual in (None, res):
+        if residual is None:
+            want = fp8_triton.quantize_per_token_triton(triton_ops.rms_norm(x, w, 1e-6))
+            got = fp8_triton.rms_norm_quant(x, None, w, 1e-6)
+        else:
+            r1, r2 = res.clone(), res.clone()
+            want = fp8_triton.quantize_per_token_triton(triton_ops.add_rms_norm(x, r1, w, 1e-6)[0])
+            got = fp8_triton.rms_norm_quant(x, r2, w, 1e-6)
+            same &= torch.equal(r1, r2)
+        same &= torch.equal(got[0].view(torch.uint8), want[0].view(torch.uint8)) and torch.equal(got[1], want[1])
+    gate_up = torch.randn(rows, 2 * k).half() * 4
+    want = fp8_triton.quantize_per_token_triton(triton_ops.silu_and_mul(gate_up))
+    got = fp8_triton.silu_and_mul_quant(gate_up)
+    same &= torch.equal(got[0].view(torch.uint8), want[0].view(torch.uint8)) and torch.equal(got[1], want[1])
+print(same)
+"""
+
+
+def test_fused_norm_and_activation_quantization_in_the_triton_interpreter():
+    """At prefill sizes the RMSNorm (with its residual add) and SiLU-and-mul before an FP8
+    projection write e4m3 themselves: the same bytes and scales as the op followed by the
+    separate quantization kernel, and the same residual stream."""
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    done = subprocess.run([sys.executable, "-c", FUSED_QUANT_CHECK], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().splitlines()[-1] == "True"
+
+
 def test_wrong_scales_are_caught_on_random_matrices():
     lin = _linear(64, 64)
     x = torch.randn(8, 64)

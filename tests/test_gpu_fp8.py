@@ -93,6 +93,28 @@ def test_triton_per_token_quant_matches_torch(shape):
     assert (got_q.float() == want_q.float()).float().mean() > 0.999
 
 
+@pytest.mark.parametrize("rows", [17, 300])
+def test_fused_norm_and_activation_quantization_match_the_separate_kernels(rows):
+    """rms_norm_quant and silu_and_mul_quant write the very bytes and scales of the op followed
+    by quantize_per_token (bf16 on the GPU; the interpreter test covers fp16)."""
+    from radixlm.srt.executor.models import triton_ops
+    from radixlm.srt.executor.quantization import fp8_triton
+
+    torch.manual_seed(rows)
+    x = torch.randn(rows, 4096, device="cuda", dtype=DTYPE) * 3
+    res = torch.randn(rows, 4096, device="cuda", dtype=DTYPE)
+    w = torch.rand(4096, device="cuda", dtype=DTYPE) + 0.5
+    r1, r2 = res.clone(), res.clone()
+    want = quantize_per_token(triton_ops.add_rms_norm(x, r1, w, 1e-5)[0])
+    got = fp8_triton.rms_norm_quant(x, r2, w, 1e-5)
+    assert torch.equal(r1, r2)
+    assert torch.equal(got[0].view(torch.uint8), want[0].view(torch.uint8)) and torch.equal(got[1], want[1])
+    gate_up = torch.randn(rows, 2 * 14336, device="cuda", dtype=DTYPE) * 4
+    want = quantize_per_token(triton_ops.silu_and_mul(gate_up))
+    got = fp8_triton.silu_and_mul_quant(gate_up)
+    assert torch.equal(got[0].view(torch.uint8), want[0].view(torch.uint8)) and torch.equal(got[1], want[1])
+
+
 def test_triton_fp8_kv_store_matches_torch():
     pool_t = KVPool(64, 1, NUM_KV_HEADS, HEAD_DIM, FP8, "cuda")
     pool_t._triton_store = False
@@ -235,3 +257,19 @@ def test_fp8_weights_and_kv_flashinfer_graphs_match_torch_native(config_path):
                   disable_cuda_graph=True)
     flash = _run(config_path, quantization="fp8", kv_cache_dtype="fp8_e4m3", attention_backend="flashinfer")
     assert_same_greedy(native, flash)
+
+
+def test_norm_and_activation_hand_fp8_projections_their_input_quantized(config_path):
+    """Prefill rows reach the FP8 GEMMs quantized by the norm and SiLU-and-mul themselves; the
+    outputs and logprobs are exactly those of the separate quantization kernels."""
+    from radixlm.srt.executor.quantization import fp8
+
+    fused = _run(config_path, quantization="fp8", attention_backend="flashinfer")
+    fp8.set_fused_quantization(False)
+    try:
+        separate = _run(config_path, quantization="fp8", attention_backend="flashinfer")
+    finally:
+        fp8.set_fused_quantization(True)
+    assert [o["output_ids"] for o in fused] == [o["output_ids"] for o in separate]
+    assert [o["meta_info"]["output_token_logprobs"] for o in fused] == \
+        [o["meta_info"]["output_token_logprobs"] for o in separate]

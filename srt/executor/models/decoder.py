@@ -52,16 +52,20 @@ class DecoderLayer(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
                 rotary: RotaryEmbedding, attn: AttentionBackend) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (this layer's MLP output, the residual stream before it is added)."""
-        if residual is None:
-            residual, h = x, self.input_layernorm(x)
-        else:
-            h, residual = self.input_layernorm.forward_add(x, residual)
-        h = self.self_attn(h, positions, rotary, attn)
+        qkv, residual = self.input_layernorm.forward_into(self.self_attn.qkv_proj, x, residual)
+        h = self.self_attn(qkv, positions, rotary, attn)
         if self.sandwich:
             h = self.post_attention_layernorm(h)
-            h, residual = self.pre_feedforward_layernorm.forward_add(h, residual)
-            return self.post_feedforward_layernorm(self.mlp(h)), residual
-        h, residual = self.post_attention_layernorm.forward_add(h, residual)
+            out, residual = self._mlp(self.pre_feedforward_layernorm, h, residual)
+            return self.post_feedforward_layernorm(out), residual
+        return self._mlp(self.post_attention_layernorm, h, residual)
+
+    def _mlp(self, norm: RMSNorm, h: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(mlp(norm(h + residual)), h + residual)."""
+        if isinstance(self.mlp, GatedMLP):  # the norm may hand gate_up its input in FP8
+            gate_up, residual = norm.forward_into(self.mlp.gate_up_proj, h, residual)
+            return self.mlp(gate_up), residual
+        h, residual = norm.forward_add(h, residual)
         return self.mlp(h), residual
 
 

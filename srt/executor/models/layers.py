@@ -40,6 +40,19 @@ class RMSNorm(nn.Module):
         """(norm(x + residual), x + residual); the Triton version updates `residual` in place."""
         return self.ops.add_rms_norm(x, residual, self._scale(), self.eps)
 
+    def forward_into(self, linear: nn.Module, x: torch.Tensor,
+                     residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(linear(norm(x [+ residual])), the residual stream: x + residual, or x when None).
+        An FP8 projection may take the norm over, to have it write e4m3 (Fp8Linear.forward_rms_norm)."""
+        fused = getattr(linear, "forward_rms_norm", None)
+        out = fused(x, residual, self._scale(), self.eps) if fused is not None else None
+        if out is not None:
+            return out, x if residual is None else residual
+        if residual is None:
+            return linear(self(x)), x
+        h, residual = self.forward_add(x, residual)
+        return linear(h), residual
+
 
 class Attention(nn.Module):
     """`config` holds this rank's heads (sharding.py); o_proj is row parallel: its partial sums
@@ -61,9 +74,10 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps, offset=norm_offset) if config.qk_norm else None
         self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps, offset=norm_offset) if config.qk_norm else None
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding,
+    def forward(self, qkv: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding,
                 attn: AttentionBackend) -> torch.Tensor:
-        qkv = self.qkv_proj(x)
+        """The layer from its q|k|v projection on: the caller runs qkv_proj (after its norm,
+        RMSNorm.forward_into)."""
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
@@ -87,8 +101,15 @@ class GatedMLP(nn.Module):
         self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.tp.all_reduce(self.down_proj(act_and_mul(self.gate_up_proj(x), self.hidden_act, self.ops)))
+    def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """The MLP from its gate|up projection on: the caller runs gate_up_proj (after its norm,
+        RMSNorm.forward_into). An FP8 down_proj may take SiLU-and-mul over, to have it write
+        e4m3 (Fp8Linear.forward_silu_and_mul)."""
+        fused = getattr(self.down_proj, "forward_silu_and_mul", None) if self.hidden_act == "silu" else None
+        out = fused(gate_up) if fused is not None else None
+        if out is None:
+            out = self.down_proj(act_and_mul(gate_up, self.hidden_act, self.ops))
+        return self.tp.all_reduce(out)
 
 
 def act_and_mul(gate_up: torch.Tensor, hidden_act: str, ops: type[TorchOps] = TorchOps) -> torch.Tensor:

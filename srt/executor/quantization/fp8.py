@@ -3,8 +3,10 @@ projection of the decoder layers (qkv, o, gate_up, down) becomes an `Fp8Linear`:
 with one scale per output channel, activations quantized per token at run time, and the GEMM
 through `torch._scaled_mm` (cuBLAS/CUTLASS on Hopper, a reference kernel on CPU). On CUDA,
 batches of up to GEMV_MAX_ROWS rows (decode) instead run fp8_gemv.py, which streams the weights
-at bandwidth and leaves the activations unquantized. Embeddings, the LM head, norms and MoE
-routers stay in the model dtype; MoE experts are refused.
+at bandwidth and leaves the activations unquantized. Larger batches get their input quantized by
+the op that makes it where that op is an RMSNorm or SiLU-and-mul (forward_rms_norm,
+forward_silu_and_mul; fp8_triton.py). Embeddings, the LM head, norms and MoE routers stay in
+the model dtype; MoE experts are refused.
 
 Per-channel weight scales and per-token activation scales: both are "row-wise" scales of
 _scaled_mm, so one GEMM applies them (out[m, n] = acc[m, n] * sa[m] * sb[n]) with no host sync
@@ -91,17 +93,44 @@ class Fp8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)
-        if x2.is_cuda and _fp8_gemv is not None and x2.shape[0] <= GEMV_MAX_ROWS and x2.dtype in _GEMV_DTYPES:
+        if self._uses_gemv(x2):
             # Decode-sized batches: one Triton launch that streams the weights at HBM bandwidth
             # with x unquantized (cuBLAS's FP8 GEMM reads them at a fraction of it for a few rows).
             return self._finish(_fp8_gemv(x2, self.weight, self.weight_scale, self.out_dtype), lead)
-        xq, x_scale = quantize_per_token(x2)
+        return self.forward_quantized(*quantize_per_token(x2), lead)
+
+    def _uses_gemv(self, x2: torch.Tensor) -> bool:
+        return x2.is_cuda and _fp8_gemv is not None and x2.shape[0] <= GEMV_MAX_ROWS and x2.dtype in _GEMV_DTYPES
+
+    def forward_quantized(self, xq: torch.Tensor, x_scale: torch.Tensor, lead: torch.Size | None = None) -> torch.Tensor:
+        """The GEMM on input already quantized per token: xq e4m3 [M, K], x_scale float32 [M, 1]."""
         if xq.is_cuda:
             out = torch._scaled_mm(xq, self.weight.t(), scale_a=x_scale, scale_b=self.weight_scale,
                                    out_dtype=self.gemm_dtype)
         else:
             out = self._cpu_scaled_mm(xq, x_scale)
-        return self._finish(out.to(self.out_dtype), lead)
+        return self._finish(out.to(self.out_dtype), xq.shape[:-1] if lead is None else lead)
+
+    def _fuses_quantization(self, x2: torch.Tensor) -> bool:
+        """Whether the op that makes x2 may quantize it for us (fp8_triton's fused kernels): on
+        CUDA at sizes that take the quantized GEMM, unless turned off for a comparison."""
+        return _fused_quant is not None and _fused_quant_on and x2.is_cuda and not self._uses_gemv(x2)
+
+    def forward_rms_norm(self, x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
+                         eps: float) -> torch.Tensor | None:
+        """self(rms_norm(x [+ residual])) with the norm writing e4m3 directly (residual += x in
+        place, as triton_ops.add_rms_norm does); None where that does not apply (then the caller
+        runs the norm and self)."""
+        if x.dim() != 2 or not self._fuses_quantization(x):
+            return None
+        return self.forward_quantized(*_fused_quant.rms_norm_quant(x, residual, norm_weight, eps))
+
+    def forward_silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor | None:
+        """self(silu(gate) * up) with SiLU-and-mul writing e4m3 directly; None where that does not
+        apply (then the caller runs the activation and self)."""
+        if gate_up.dim() != 2 or gate_up.shape[1] > 2 * _MAX_FUSED_COLS or not self._fuses_quantization(gate_up):
+            return None
+        return self.forward_quantized(*_fused_quant.silu_and_mul_quant(gate_up))
 
     def _finish(self, out: torch.Tensor, lead: torch.Size) -> torch.Tensor:
         if self.bias is not None:
@@ -180,11 +209,20 @@ def _load_triton():
     try:
         from radixlm.srt.executor.quantization import fp8_gemv, fp8_triton
     except ImportError:
-        return None, None
-    return fp8_triton.quantize_per_token_triton, fp8_gemv.fp8_gemv
+        return None, None, None
+    return fp8_triton.quantize_per_token_triton, fp8_gemv.fp8_gemv, fp8_triton
 
 
-_triton_quant, _fp8_gemv = _load_triton()
+_triton_quant, _fp8_gemv, _fused_quant = _load_triton()
+_fused_quant_on = True
+# SiLU-and-mul quantizes a whole row per program; wider rows keep the separate kernels.
+_MAX_FUSED_COLS = 32768
+
+
+def set_fused_quantization(enabled: bool) -> None:
+    """Turns the norm's and SiLU-and-mul's own quantization on or off (benchmarks compare)."""
+    global _fused_quant_on
+    _fused_quant_on = enabled
 # Up to this many rows fp8_gemv beats quantize + _scaled_mm on the H200
 # (benchmarks/bench_gpu_fp8_gemv.py); it multiplies bf16/fp16 activations only.
 GEMV_MAX_ROWS = 16
