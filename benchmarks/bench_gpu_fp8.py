@@ -4,8 +4,7 @@ call should fit in a few minutes):
 
   decode      Llama-3.1-8B shape, dummy weights: FP8 batch-1 decode ms/token vs the FP8 roofline
               (the weight bytes a step reads / HBM bandwidth measured here; goal <= 2.4 ms) and vs
-              bf16 batch-1 decode (a bf16 engine measured here); also without PDL and without
-              the GEMVs' L2 prefetch
+              bf16 batch-1 decode (a bf16 engine measured here); also without PDL
   prefill     8 prompts x 2048 tokens with FP8 weights: model FLOP utilisation vs an FP8 GEMM
               (torch._scaled_mm 8192^3, row-wise scales) measured here (goal >= 0.6); also with
               quantization in its own kernel instead of in the norms and SiLU-and-mul
@@ -95,21 +94,17 @@ def bench_decode(make_engine, rep: Reporter) -> None:
     best_bw = max(bw.values()) * 1e12
     from radixlm.srt.executor import pdl
     from radixlm.srt.executor.quantization import fp8 as fp8_module
-    from radixlm.srt.executor.quantization import fp8_gemv
 
     ms = {}
     default_gemv = fp8_module._fp8_gemv
     # fp8: the default dispatch (fp8_gemv up to GEMV_MAX_ROWS rows); fp8_scaled_mm: every batch
     # through quantize + torch._scaled_mm, captured into the graphs as such.
-    # fp8_no_pdl: the default path with our kernels launched plainly (see srt/executor/pdl.py);
-    # fp8_no_prefetch: with PDL but without the GEMVs' L2 prefetch (fp8_gemv.py).
+    # fp8_no_pdl: the default path with our kernels launched plainly (see srt/executor/pdl.py).
     for name, kwargs, gemv in (("bf16", {}, default_gemv), ("fp8", {"quantization": "fp8"}, default_gemv),
-                               ("fp8_no_prefetch", {"quantization": "fp8"}, default_gemv),
                                ("fp8_no_pdl", {"quantization": "fp8"}, default_gemv),
                                ("fp8_scaled_mm", {"quantization": "fp8"}, None)):
         fp8_module._fp8_gemv = gemv
         pdl.set_enabled(name != "fp8_no_pdl")
-        fp8_gemv.set_prefetch(name != "fp8_no_prefetch")
         try:
             engine = make_engine(max_running_requests=8, cuda_graph_max_bs=8, **kwargs)
             ms[name] = decode_ms_per_token(engine)
@@ -123,7 +118,6 @@ def bench_decode(make_engine, rep: Reporter) -> None:
         finally:
             fp8_module._fp8_gemv = default_gemv
             pdl.set_enabled(True)
-            fp8_gemv.set_prefetch(True)
         config = engine.model_config
         free_engine(engine)
     fp8_bytes = model_bytes(config, torch.bfloat16, "fp8")
@@ -139,8 +133,6 @@ def bench_decode(make_engine, rep: Reporter) -> None:
               "fp8_scaled_mm_ms_per_token": round(ms["fp8_scaled_mm"], 3),
               "fp8_without_pdl_ms_per_token": round(ms["fp8_no_pdl"], 3),
               "pdl_speedup": round(ms["fp8_no_pdl"] / ms["fp8"], 3),
-              "fp8_without_gemv_prefetch_ms_per_token": round(ms["fp8_no_prefetch"], 3),
-              "gemv_prefetch_speedup": round(ms["fp8_no_prefetch"] / ms["fp8"], 3),
               "fp8_weight_gb": round(fp8_bytes / 1e9, 3), "bytes_read_per_step_gb": round(step_bytes / 1e9, 3), "bandwidth_tb_s": {k: round(v, 3) for k, v in bw.items()},
               "fp8_roofline_ms": round(roofline_ms, 3), "fraction_of_fp8_roofline": round(roofline_ms / ms["fp8"], 3),
               "goal": "<= 2.4 ms/token", "vllm_fp8_recorded": VLLM_FP8_RECORDED,

@@ -123,7 +123,7 @@ def bench_stack(rep: Reporter, bw: dict) -> None:
     """Batch-1: every layer's four projections (distinct weights, as in the model), FP8 via
     fp8_gemv vs bf16 cuBLAS, against the bandwidth roofline of those bytes."""
     from radixlm.srt.executor import pdl
-    from radixlm.srt.executor.quantization.fp8_gemv import fp8_gemv, set_prefetch
+    from radixlm.srt.executor.quantization.fp8_gemv import fp8_gemv
 
     x = {k: torch.randn(1, k, device="cuda", dtype=torch.bfloat16) for k in (4096, 14336)}
     fp8_bytes = LAYERS * sum(n * k for n, k in SHAPES.values())
@@ -133,9 +133,6 @@ def bench_stack(rep: Reporter, bw: dict) -> None:
     pdl.set_enabled(False)  # the same kernels launched plainly (srt/executor/pdl.py)
     fp8_no_pdl_us = graph_time_us(stack, replays=10) * 4 * LAYERS
     pdl.set_enabled(True)
-    set_prefetch(False)  # with PDL, without the L2 prefetch of the weights (fp8_gemv.py)
-    fp8_no_prefetch_us = graph_time_us(stack, replays=10) * 4 * LAYERS
-    set_prefetch(True)
     layers_fp8 = None
     torch.cuda.empty_cache()
     layers_bf16 = [[(torch.randn(n, k, device="cuda", dtype=torch.bfloat16), k) for n, k in SHAPES.values()]
@@ -148,8 +145,6 @@ def bench_stack(rep: Reporter, bw: dict) -> None:
     rep.emit({"bench": "gpu_fp8_gemv_stack", "rows": 1, "layers": LAYERS, "fp8_ms": round(fp8_us / 1e3, 3),
               "fp8_weight_gb": round(fp8_bytes / 1e9, 3), "fp8_without_pdl_ms": round(fp8_no_pdl_us / 1e3, 3),
               "pdl_speedup": round(fp8_no_pdl_us / fp8_us, 3),
-              "fp8_without_prefetch_ms": round(fp8_no_prefetch_us / 1e3, 3),
-              "prefetch_speedup": round(fp8_no_prefetch_us / fp8_us, 3),
               "fp8_fraction_of_roofline": round(fp8_bytes / best_bw * 1e6 / fp8_us, 3),
               "baseline": "the same projections in bf16 through cuBLAS, measured in this run",
               "bf16_ms": round(bf16_us / 1e3, 3),

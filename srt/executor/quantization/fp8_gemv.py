@@ -13,11 +13,10 @@ fp32 partial sums that one small kernel adds and scales; with SPLIT_K == 1 the s
 in place. The tile sizes per shape come from `gemv_config` (measured on the H200 by
 benchmarks/bench_gpu_fp8_gemv.py).
 
-L2 prefetch: launched with PDL (pdl.py), a GEMV starts while the kernels before it (norms,
-rotary, attention: short and latency-bound, HBM mostly idle) still run. Before waiting for them
-each program asks for the start of its weight slice to be brought into L2 (PTX `prefetch`, no
-registers held), so part of the stream overlaps the previous kernels instead of following them.
-The prefetched bytes per GEMV stay under PREFETCH_BUDGET_BYTES, well inside the H200's 50 MB L2.
+Tried and removed (H200, 2026-12-01): prefetching the rest of each program's weight slice into
+L2 (PTX prefetch.global.L2, up to 24 MB per GEMV) before the PDL wait, to overlap the stream
+with the short kernels before it, made batch-1 decode slower: 3.111 ms/token against 2.723
+without it, and the 128-projection stack 2.329 against 1.946 ms.
 """
 
 from __future__ import annotations
@@ -32,17 +31,6 @@ import triton.language as tl
 from ..pdl import launch_dependents, pdl_enabled, wait
 
 MAX_ROWS = 16  # the dot's smallest M tile; more rows go through _scaled_mm
-PREFETCH_BUDGET_BYTES = 24 << 20
-_LINE = tl.constexpr(128)  # bytes per prefetch: an L2 line, 128 e4m3 weights
-_CHUNK_LINES = tl.constexpr(4)  # lines per row per prefetch step (a power of two for tl.arange)
-_prefetch_on = True
-
-
-def set_prefetch(enabled: bool) -> None:
-    """Turns the L2 prefetch on or off for GEMVs launched (or captured) from now on: benchmarks
-    measure the step both ways in one run."""
-    global _prefetch_on
-    _prefetch_on = enabled
 
 
 @dataclass(frozen=True)
@@ -55,27 +43,9 @@ class GemvConfig:
 
 
 @triton.jit
-def _prefetch_l2(ptrs):
-    """Asks for the 128-byte lines at `ptrs` to be brought into L2; nothing is loaded into registers."""
-    tl.inline_asm_elementwise("prefetch.global.L2::evict_last [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs],
-                              dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
-def _prefetch_rows(w_ptr, offs_n, N, K, k_first, k_end, PREFETCH_CHUNKS: tl.constexpr):
-    """Prefetches PREFETCH_CHUNKS * _CHUNK_LINES lines of each weight row offs_n (clamped to the
-    last row) from column k_first on, clamped to the slice's last byte (k_end - 1)."""
-    rows = w_ptr + tl.minimum(offs_n, N - 1)[:, None].to(tl.int64) * K
-    last = tl.minimum(k_end, K) - 1
-    for c in tl.static_range(PREFETCH_CHUNKS):
-        cols = k_first + (c * _CHUNK_LINES + tl.arange(0, _CHUNK_LINES)) * _LINE
-        _prefetch_l2(rows + tl.minimum(cols, last)[None, :])
-
-
-@triton.jit
 def _fp8_gemv_kernel(x_ptr, w_ptr, scale_ptr, out_ptr, part_ptr, M, N, K, stride_xm, stride_om, k_per_split,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     SPLIT_K: tl.constexpr, EVEN: tl.constexpr, PREFETCH_CHUNKS: tl.constexpr, PDL: tl.constexpr):
+                     SPLIT_K: tl.constexpr, EVEN: tl.constexpr, PDL: tl.constexpr):
     launch_dependents(PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -92,7 +62,6 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, scale_ptr, out_ptr, part_ptr, M, N, K, stride
         w = tl.load(w_cols + offs_k[:, None])
     else:
         w = tl.load(w_cols + offs_k[:, None], mask=n_mask[None, :] & (offs_k < K)[:, None], other=0.0)
-    _prefetch_rows(w_ptr, offs_n, N, K, k_begin + BLOCK_K, k_begin + k_per_split, PREFETCH_CHUNKS)
     wait(PDL)
     x = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None] & (offs_k < K)[None, :], other=0.0)
     acc = tl.dot(x, w.to(x.dtype), tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32))
@@ -119,7 +88,7 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, scale_ptr, out_ptr, part_ptr, M, N, K, stride
 @triton.jit
 def _fp8_gemv_row_kernel(x_ptr, w_ptr, scale_ptr, out_ptr, part_ptr, N, K, k_per_split,
                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, EVEN: tl.constexpr,
-                         PREFETCH_CHUNKS: tl.constexpr, PDL: tl.constexpr):
+                         PDL: tl.constexpr):
     """One row (batch-1 decode): plain multiply-adds on [BLOCK_N, BLOCK_K] tiles read in the
     weight's own row-major layout, summed across K once at the end; no tensor-core layouts."""
     launch_dependents(PDL)
@@ -135,7 +104,6 @@ def _fp8_gemv_row_kernel(x_ptr, w_ptr, scale_ptr, out_ptr, part_ptr, N, K, k_per
         w = tl.load(w_rows + offs_k[None, :])
     else:
         w = tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None] & (offs_k < K)[None, :], other=0.0)
-    _prefetch_rows(w_ptr, offs_n, N, K, k_begin + BLOCK_K, k_begin + k_per_split, PREFETCH_CHUNKS)
     wait(PDL)
     x = tl.load(x_ptr + offs_k, mask=offs_k < K, other=0.0)
     acc = w.to(tl.float32) * x.to(tl.float32)[None, :]
@@ -205,15 +173,6 @@ def _row_tiles(n: int) -> tuple[int, int, int, int]:
     return 16, 256, 4, 3  # gate_up_proj: 32.6 us, 3.61 TB/s
 
 
-def prefetch_chunks(config: GemvConfig, n: int, k_per_split: int) -> int:
-    """Prefetch steps per program: the rest of its slice after the first tile, capped so that
-    all programs together ask for at most PREFETCH_BUDGET_BYTES."""
-    programs = triton.cdiv(n, config.block_n) * config.split_k
-    step_bytes = config.block_n * _CHUNK_LINES.value * _LINE.value
-    rest = triton.cdiv(max(0, k_per_split - config.block_k) * config.block_n, step_bytes)
-    return min(rest, PREFETCH_BUDGET_BYTES // (programs * step_bytes))
-
-
 def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, out_dtype: torch.dtype,
              config: GemvConfig | None = None) -> torch.Tensor:
     """[M <= MAX_ROWS, K] (bf16/fp16) x e4m3 [N, K] with float32 scales ([N] or [1, N]) -> [M, N]."""
@@ -234,15 +193,14 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, 
     part = torch.empty((split, rows, n), dtype=torch.float32, device=x.device) if split > 1 else out
     grid = (triton.cdiv(n, config.block_n), split)
     pdl = pdl_enabled(x)
-    chunks = prefetch_chunks(config, n, k_per_split) if pdl and _prefetch_on else 0
     if rows == 1:
         _fp8_gemv_row_kernel[grid](x, weight, weight_scale, out, part, n, k, k_per_split, BLOCK_N=config.block_n,
-                                   BLOCK_K=config.block_k, SPLIT_K=split, EVEN=even, PREFETCH_CHUNKS=chunks,
-                                   PDL=pdl, num_warps=config.num_warps, num_stages=config.num_stages, launch_pdl=pdl)
+                                   BLOCK_K=config.block_k, SPLIT_K=split, EVEN=even, PDL=pdl,
+                                   num_warps=config.num_warps, num_stages=config.num_stages, launch_pdl=pdl)
     else:
         _fp8_gemv_kernel[grid](x, weight, weight_scale, out, part, rows, n, k, x.stride(0), out.stride(0),
                                k_per_split, BLOCK_M=16, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-                               SPLIT_K=split, EVEN=even, PREFETCH_CHUNKS=chunks, PDL=pdl, num_warps=config.num_warps,
+                               SPLIT_K=split, EVEN=even, PDL=pdl, num_warps=config.num_warps,
                                num_stages=config.num_stages, launch_pdl=pdl)
     if split > 1:
         block = 1024
