@@ -3,9 +3,8 @@ head_dim 128, bf16 queries, bf16 or FP8 KV, pages of 1 or more, scattered as a b
 them): microseconds per layer, 32 layers with their own KV replayed from one CUDA graph, as a
 decode step runs them. The baseline is FlashInfer's tensor-core decode (split-KV as FlashInfer
 plans it), measured in the same run; `triton` is the engine's own decode kernel
-(srt/executor/attention/triton_decode.py) with the tiles and split count the engine picks,
-`triton_merge_kernel` the same with its splits merged by a second kernel instead of by the last
-split to finish, and --triton-sweep times other tiles and split counts (to choose the engine's).
+(srt/executor/attention/triton_decode.py) with the tiles and split count the engine picks, and
+--triton-sweep times other tiles and split counts (to choose the engine's).
 
     python benchmarks/bench_gpu_decode_attention.py --out benchmarks/results/gpu_h200.jsonl
 """
@@ -50,13 +49,13 @@ class Case:
                        torch.randn(KV_HEADS, slots, HEAD_DIM, device=device).to(kv_dtype)) for _ in range(LAYERS)]
         self.pages = [(as_pages(k, page_size), as_pages(v, page_size)) for k, v in self.pools]
 
-    def triton_us(self, tiles=None, splits=None, fused_merge=True) -> float:
+    def triton_us(self, tiles=None, splits=None) -> float:
         from radixlm.srt.executor.attention.triton_decode import paged_decode
 
         def step():
             for k, v in self.pools:
                 paged_decode(self.q, k, v, self.indptr, self.indices, self.last, self.page_size, HEAD_DIM ** -0.5,
-                             splits=splits, tiles=tiles, fused_merge=fused_merge)
+                             splits=splits, tiles=tiles)
 
         return graph_us(step)
 
@@ -111,9 +110,7 @@ def main() -> None:
     parser.add_argument("--page-sizes", default="1")
     # FlashInfer 0.6.11: FP8 KV with disable_split_kv in graph mode fails with a CUDA error that
     # poisons the process (cudaErrorInvalidAddressSpace), so leave the *_no_split variants out there.
-    # triton: the engine's kernel, split results merged by the last split to finish;
-    # triton_merge_kernel: the same, merged by the separate merge kernel (where there are splits).
-    parser.add_argument("--variants", default=",".join([*VARIANTS, "triton", "triton_merge_kernel"]))
+    parser.add_argument("--variants", default=",".join([*VARIANTS, "triton"]))
     parser.add_argument("--triton-sweep", action="store_true", help="also time other tiles and split counts")
     parser.add_argument("--split-counts", default=None,
                         help="comma-separated: also time the engine's tiles with each of these split counts")
@@ -131,10 +128,7 @@ def main() -> None:
         us = {}
         for name in args.variants.split(","):
             try:
-                if name.startswith("triton"):
-                    us[name] = round(case.triton_us(fused_merge=name == "triton"), 2)
-                else:
-                    us[name] = round(case.flashinfer_us(name), 2)
+                us[name] = round(case.triton_us() if name == "triton" else case.flashinfer_us(name), 2)
             except Exception as e:  # a variant this FlashInfer does not offer
                 us[name] = f"{type(e).__name__}: {str(e)[:120]}"
         line = {"bench": "gpu_decode_attention", "kv_dtype": kv_name, "page_size": page_size, "batch": batch,

@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from radixlm.srt.executor.attention.base import DEFAULT_GRAPH_VARIANT, AttentionBackend
-from radixlm.srt.executor.attention.triton_decode import DecodeTables, load_decode_tables, split_counters
+from radixlm.srt.executor.attention.triton_decode import DecodeTables, load_decode_tables
 from radixlm.srt.executor.attention.cascade_groups import CASCADE_MIN_PREFIX, CascadeGroups, find_groups
 from radixlm.srt.executor.attention.flashinfer_cascade import (  # noqa: F401 (tests import the tables from here)
     GraphCascade, _CascadeStep, cascade_page_tables, graph_cascade_tables, graph_prefix_segments)
@@ -139,8 +139,6 @@ class FlashInferBackend(AttentionBackend):
                                and head_dim >= 16 and head_dim & (head_dim - 1) == 0)
         self._sm_count = (torch.cuda.get_device_properties(self.device).multi_processor_count
                           if self._triton_decode else 0)
-        if self._triton_decode:
-            split_counters(self.device)  # made now, not inside a graph capture
         self._decode_tables: DecodeTables | None = None  # this decode step's page tables on the device
         self._decode_graph_meta: torch.Tensor | None = None  # graph buckets' indptr | last_page_len
         self._cascade: _CascadeStep | None = None  # this batch's cascade plan, None for a plain step

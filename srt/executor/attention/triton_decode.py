@@ -11,14 +11,9 @@ reads the pool's bytes, widens FP8 in registers and runs the two small products 
 
 One program per (request, KV head, split of the sequence): the KV head's whole query group
 (padded to 16 rows, the dot's smallest tile) attends to its split with an online softmax. With
-more than one split (small batches), each writes its normalized output and log-sum-exp
-(flash-decoding), and the last of a (request, KV head)'s splits to finish merges them: each
-split counts itself in on a per-(request, KV head) counter (split_counters; the merger sets it
-back to 0) once its writes are done, and the one that reads NUM_SPLITS - 1 reads the others'
-results from L2 and writes the output. That saves the separate merge kernel (~2 us a layer at
-batch 1); `fused_merge=False` still runs it, for comparison. The split count is fixed per batch
-size (a CUDA graph needs a fixed grid); each request cuts its own length into that many pieces
-at run time.
+more than one split, each writes its normalized output and log-sum-exp, and a second kernel
+merges them (flash-decoding). The split count is fixed per batch size (a CUDA graph needs a
+fixed grid); each request cuts its own length into that many pieces at run time.
 
 Pages: request b's pages are indices[indptr[b]:indptr[b + 1]], its last page holds
 last_page_len[b] tokens; token t of page p lives at slot p * page_size + t of the head-major
@@ -42,10 +37,10 @@ MAX_SPLITS = 32
 
 @triton.jit
 def _decode_kernel(q_ptr, k_ptr, v_ptr, indptr_ptr, indices_ptr, last_len_ptr, out_ptr, part_out_ptr, part_lse_ptr,
-                   counter_ptr, stride_qb, stride_qh, stride_kh, stride_vh, stride_ob, stride_oh, qk_scale, v_scale,
-                   WIDEN_FP16: tl.constexpr, NUM_Q_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
-                   GROUP_P2: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_T: tl.constexpr,
-                   NUM_SPLITS: tl.constexpr, FUSED_MERGE: tl.constexpr, PDL: tl.constexpr):
+                   stride_qb, stride_qh, stride_kh, stride_vh, stride_ob, stride_oh, qk_scale, v_scale,
+                   WIDEN_FP16: tl.constexpr,
+                   NUM_Q_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
+                   PAGE_SIZE: tl.constexpr, BLOCK_T: tl.constexpr, NUM_SPLITS: tl.constexpr, PDL: tl.constexpr):
     launch_dependents(PDL)
     wait(PDL)  # the page tables and q come from earlier kernels and copies
     b = tl.program_id(0)
@@ -101,44 +96,6 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, indptr_ptr, indices_ptr, last_len_ptr, o
         row = (b * NUM_SPLITS + split) * NUM_Q_HEADS + q_heads
         tl.store(part_out_ptr + row[:, None] * HEAD_DIM + d[None, :], out, mask=g_mask[:, None])
         tl.store(part_lse_ptr + row, lse, mask=g_mask)
-        if FUSED_MERGE:
-            # Every thread's stores come before the count (barrier); the count releases them to
-            # the merger, whose acquire and .cg (L2) loads see them.
-            tl.debug_barrier()
-            counter = counter_ptr + b * (NUM_Q_HEADS // GROUP) + kv_head
-            if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == NUM_SPLITS - 1:
-                _merge_splits(part_out_ptr, part_lse_ptr, out_ptr, b, kv_head * GROUP, stride_ob, stride_oh,
-                              v_scale, NUM_Q_HEADS, GROUP, GROUP_P2, HEAD_DIM, NUM_SPLITS)
-                tl.store(counter, 0)  # ready for the next layer's (or step's) launch
-
-
-@triton.jit
-def _merge_splits(part_out_ptr, part_lse_ptr, out_ptr, b, head0, stride_ob, stride_oh, v_scale,
-                  NUM_Q_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_P2: tl.constexpr, HEAD_DIM: tl.constexpr,
-                  NUM_SPLITS: tl.constexpr):
-    """Request b's heads head0 .. head0 + GROUP - 1: the splits' outputs weighted by their
-    exp2(lse), summed, normalized (_merge_kernel's arithmetic, for one query group)."""
-    g = tl.arange(0, GROUP_P2)
-    d = tl.arange(0, HEAD_DIM)
-    g_mask = g < GROUP
-    first = (b * NUM_SPLITS) * NUM_Q_HEADS + head0 + g[None, :]  # [1, group]: split 0's rows
-    s = tl.arange(0, NUM_SPLITS)[:, None]
-    lse = tl.load(part_lse_ptr + first + s * NUM_Q_HEADS, mask=g_mask[None, :], other=0.0, cache_modifier=".cg")
-    top = tl.max(lse, axis=0)[None, :]  # every request has a token: one split is finite
-    total = tl.sum(tl.exp2(lse - top), axis=0)
-    # The outputs in chunks of at most 8 splits: [8, group, head_dim] at a time in registers.
-    CHUNK: tl.constexpr = min(NUM_SPLITS, 8)
-    acc = tl.zeros([GROUP_P2, HEAD_DIM], dtype=tl.float32)
-    for c in tl.static_range(NUM_SPLITS // CHUNK):
-        rows = first + (c * CHUNK + tl.arange(0, CHUNK)[:, None]) * NUM_Q_HEADS  # [chunk, group]
-        weight = tl.exp2(tl.load(part_lse_ptr + rows, mask=g_mask[None, :], other=0.0, cache_modifier=".cg") - top)
-        parts = tl.load(part_out_ptr + rows[:, :, None] * HEAD_DIM + d[None, None, :], mask=g_mask[None, :, None],
-                        other=0.0, cache_modifier=".cg")
-        acc += tl.sum(parts * weight[:, :, None], axis=0)
-    out = acc / total[:, None] * v_scale
-    heads = head0 + g
-    tl.store(out_ptr + b * stride_ob + heads[:, None] * stride_oh + d[None, :], out.to(out_ptr.dtype.element_ty),
-             mask=g_mask[:, None])
 
 
 @triton.jit
@@ -161,20 +118,6 @@ def _merge_kernel(part_out_ptr, part_lse_ptr, out_ptr, stride_ob, stride_oh, v_s
 @functools.lru_cache(maxsize=None)
 def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
-# Splits are used only while batch * KV heads < 2 * SMs (decode_num_splits): this many counters
-# cover any GPU with up to 512 SMs.
-_MAX_SPLIT_GROUPS = 1024
-
-
-@functools.lru_cache(maxsize=None)
-def split_counters(device: torch.device) -> torch.Tensor:
-    """The device's arrival counters of the fused merge, one per (request, KV head) of a split
-    decode, all 0 between launches. One buffer for every launch, eager or in a CUDA graph
-    (launches on a stream run one after another); the backend asks for it before capturing
-    graphs, so that it is not made inside a capture."""
-    return torch.zeros(_MAX_SPLIT_GROUPS, dtype=torch.int32, device=device)
 
 
 class DecodeTables(NamedTuple):
@@ -233,10 +176,9 @@ def decode_tiles(pool_dtype: torch.dtype, batch_size: int) -> tuple[int, int, in
 def paged_decode(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, indptr: torch.Tensor,
                  indices: torch.Tensor, last_page_len: torch.Tensor, page_size: int, sm_scale: float,
                  k_scale: float = 1.0, v_scale: float = 1.0, splits: int | None = None,
-                 tiles: tuple[int, int, int] | None = None, fused_merge: bool = True) -> torch.Tensor:
+                 tiles: tuple[int, int, int] | None = None) -> torch.Tensor:
     """q [B, Hq, D] (bf16/fp16) against the pool k_buf, v_buf [Hkv, slots, D] -> [B, Hq, D]; the
-    pool in q's dtype or FP8 e4m3 with its K and V scales. tiles: decode_tiles' when None;
-    fused_merge: splits merged by the last one (module docstring), else by _merge_kernel.
+    pool in q's dtype or FP8 e4m3 with its K and V scales. tiles: decode_tiles' when None.
 
     An FP8 pool is widened to fp16, not to the query's bf16: e4m3 -> fp16 is one instruction per
     two values on Hopper, while e4m3 -> bf16 goes through fp32 and its conversions capped long
@@ -264,17 +206,14 @@ def paged_decode(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, indp
         part_lse = torch.empty((batch, splits, num_q_heads), dtype=torch.float32, device=q.device)
     else:
         part_out = part_lse = out  # unused
-    fused_merge = fused_merge and splits > 1 and batch * num_kv_heads <= _MAX_SPLIT_GROUPS
-    counters = split_counters(q.device) if fused_merge else out  # unused without the fused merge
     pdl = pdl_enabled(q)
     _decode_kernel[(batch, num_kv_heads, splits)](
-        q, k_buf, v_buf, indptr, indices, last_page_len, out, part_out, part_lse, counters, q.stride(0), q.stride(1),
+        q, k_buf, v_buf, indptr, indices, last_page_len, out, part_out, part_lse, q.stride(0), q.stride(1),
         k_buf.stride(0), v_buf.stride(0), out.stride(0), out.stride(1), sm_scale * k_scale * _LOG2E, v_scale,
         WIDEN_FP16=k_buf.dtype == torch.float8_e4m3fn, NUM_Q_HEADS=num_q_heads, GROUP=group,
-        BLOCK_G=max(16, triton.next_power_of_2(group)), GROUP_P2=triton.next_power_of_2(group), HEAD_DIM=head_dim,
-        PAGE_SIZE=page_size, BLOCK_T=tiles[0], NUM_SPLITS=splits, FUSED_MERGE=fused_merge, PDL=pdl,
-        num_warps=tiles[1], num_stages=tiles[2], launch_pdl=pdl)
-    if splits > 1 and not fused_merge:
+        BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, PAGE_SIZE=page_size, BLOCK_T=tiles[0],
+        NUM_SPLITS=splits, PDL=pdl, num_warps=tiles[1], num_stages=tiles[2], launch_pdl=pdl)
+    if splits > 1:
         _merge_kernel[(batch, num_q_heads)](part_out, part_lse, out, out.stride(0), out.stride(1), v_scale,
                                            NUM_Q_HEADS=num_q_heads, HEAD_DIM=head_dim, NUM_SPLITS=splits, PDL=pdl,
                                            launch_pdl=pdl)
