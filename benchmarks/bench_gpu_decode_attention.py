@@ -112,10 +112,6 @@ def main() -> None:
     # poisons the process (cudaErrorInvalidAddressSpace), so leave the *_no_split variants out there.
     parser.add_argument("--variants", default=",".join([*VARIANTS, "triton"]))
     parser.add_argument("--triton-sweep", action="store_true", help="also time other tiles and split counts")
-    parser.add_argument("--sweep-tiles", default=None,
-                        help="the sweep's tiles as TOKENS_WARPS_STAGES,... (default: SWEEP_TILES)")
-    parser.add_argument("--sweep-offsets", action="store_true",
-                        help="sweep each tile with 32- and 64-bit token offsets (triton_decode._i32_offsets)")
     parser.add_argument("--split-counts", default=None,
                         help="comma-separated: also time the engine's tiles with each of these split counts")
     parser.add_argument("--out", default=None)
@@ -140,20 +136,12 @@ def main() -> None:
         if args.triton_sweep:
             base_splits = decode_num_splits(batch, KV_HEADS, sm_count)
             sweep = {}
-            from radixlm.srt.executor.attention import triton_decode
-
-            tile_list = ([tuple(map(int, t.split("_"))) for t in args.sweep_tiles.split(",")] if args.sweep_tiles
-                         else SWEEP_TILES)
-            offsets = (True, False) if args.sweep_offsets else (triton_decode._i32_offsets,)
-            for tiles, factor, i32 in itertools.product(tile_list, SWEEP_SPLIT_FACTORS, offsets):
+            for tiles, factor in itertools.product(SWEEP_TILES, SWEEP_SPLIT_FACTORS):
                 splits = base_splits * factor
-                triton_decode._i32_offsets = i32
-                key = "_".join(map(str, (*tiles, splits))) + ("" if len(offsets) == 1 else "_i32" if i32 else "_i64")
                 try:
-                    sweep[key] = round(case.triton_us(tiles, splits), 2)
+                    sweep["_".join(map(str, (*tiles, splits)))] = round(case.triton_us(tiles, splits), 2)
                 except Exception as e:  # a tile that does not fit: skip it
                     print(f"# {tiles} x {splits} splits: {type(e).__name__}", flush=True)
-            triton_decode._i32_offsets = True
             best = min(sweep, key=sweep.get)
             line.update(triton_sweep_block_warps_stages_splits=sweep, triton_best=best, triton_best_us=sweep[best])
         if args.split_counts:

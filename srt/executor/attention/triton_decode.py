@@ -40,13 +40,12 @@ from ..pdl import launch_dependents, pdl_enabled, wait
 
 _LOG2E = 1.4426950408889634
 MAX_SPLITS = 32
-_i32_offsets = True  # token offsets within a KV head in 32 bits where they fit (fewer registers)
 
 
 @triton.jit
 def _decode_kernel(q_ptr, k_ptr, v_ptr, indptr_ptr, indices_ptr, last_len_ptr, out_ptr, part_out_ptr, part_lse_ptr,
                    stride_qb, stride_qh, stride_kh, stride_vh, stride_ob, stride_oh, qk_scale, v_scale,
-                   WIDEN_FP16: tl.constexpr, I32_OFFSETS: tl.constexpr,
+                   WIDEN_FP16: tl.constexpr,
                    NUM_Q_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
                    PAGE_SIZE: tl.constexpr, BLOCK_T: tl.constexpr, NUM_SPLITS: tl.constexpr, PDL: tl.constexpr):
     launch_dependents(PDL)
@@ -80,9 +79,7 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, indptr_ptr, indices_ptr, last_len_ptr, o
     for t0 in range(t_begin, t_end, BLOCK_T):
         t = t0 + tl.arange(0, BLOCK_T)
         t_mask = t < t_end
-        page = tl.load(indices_ptr + page_begin + t // PAGE_SIZE, mask=t_mask, other=0)
-        if not I32_OFFSETS:  # see paged_decode
-            page = page.to(tl.int64)
+        page = tl.load(indices_ptr + page_begin + t // PAGE_SIZE, mask=t_mask, other=0).to(tl.int64)
         slot = page * PAGE_SIZE + t % PAGE_SIZE
         k = tl.load(k_head + slot[:, None] * HEAD_DIM + d[None, :], mask=t_mask[:, None], other=0.0)
         v = tl.load(v_head + slot[:, None] * HEAD_DIM + d[None, :], mask=t_mask[:, None], other=0.0)
@@ -220,8 +217,7 @@ def paged_decode(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, indp
     _decode_kernel[(batch, num_kv_heads, splits)](
         q, k_buf, v_buf, indptr, indices, last_page_len, out, part_out, part_lse, q.stride(0), q.stride(1),
         k_buf.stride(0), v_buf.stride(0), out.stride(0), out.stride(1), sm_scale * k_scale * _LOG2E, v_scale,
-        WIDEN_FP16=k_buf.dtype == torch.float8_e4m3fn,
-        I32_OFFSETS=_i32_offsets and k_buf.shape[1] * head_dim < 2**31, NUM_Q_HEADS=num_q_heads, GROUP=group,
+        WIDEN_FP16=k_buf.dtype == torch.float8_e4m3fn, NUM_Q_HEADS=num_q_heads, GROUP=group,
         BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, PAGE_SIZE=page_size, BLOCK_T=tiles[0],
         NUM_SPLITS=splits, PDL=pdl, num_warps=tiles[1], num_stages=tiles[2], launch_pdl=pdl)
     if splits > 1:
