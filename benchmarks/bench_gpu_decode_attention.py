@@ -112,6 +112,8 @@ def main() -> None:
     # poisons the process (cudaErrorInvalidAddressSpace), so leave the *_no_split variants out there.
     parser.add_argument("--variants", default=",".join([*VARIANTS, "triton"]))
     parser.add_argument("--triton-sweep", action="store_true", help="also time other tiles and split counts")
+    parser.add_argument("--sweep-tiles", default=None,
+                        help="the sweep's tiles as TOKENS_WARPS_STAGES,... (default: SWEEP_TILES)")
     parser.add_argument("--split-counts", default=None,
                         help="comma-separated: also time the engine's tiles with each of these split counts")
     parser.add_argument("--out", default=None)
@@ -136,7 +138,9 @@ def main() -> None:
         if args.triton_sweep:
             base_splits = decode_num_splits(batch, KV_HEADS, sm_count)
             sweep = {}
-            for tiles, factor in itertools.product(SWEEP_TILES, SWEEP_SPLIT_FACTORS):
+            tile_list = ([tuple(map(int, t.split("_"))) for t in args.sweep_tiles.split(",")] if args.sweep_tiles
+                         else SWEEP_TILES)
+            for tiles, factor in itertools.product(tile_list, SWEEP_SPLIT_FACTORS):
                 splits = base_splits * factor
                 try:
                     sweep["_".join(map(str, (*tiles, splits)))] = round(case.triton_us(tiles, splits), 2)

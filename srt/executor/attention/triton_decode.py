@@ -20,7 +20,9 @@ the decode kernel itself, by the last split of each (request, KV head) to finish
 counter, acq_rel atomic, .cg loads). At batch 1 (32 splits) it took 17.2 us a layer against
 6.8 with the merge kernel (bf16, 256 tokens; FP8 20.0 against 5.4), and batch-1 FP8 decode went
 from 2.72 to 3.07 ms/token; at batch 8 it won on FP8 (8.6 against 11.4 us) and lost on bf16
-(12.3 against 10.7). The merge kernel stays.
+(12.3 against 10.7). The merge kernel stays. Token offsets in 32 bits instead of 64 (fewer
+address registers: ncu counts 253 a thread for the FP8 tiles, so 2 programs an SM) were no
+faster either: 341.9 against 337.2 us at 256 x 2048 FP8, 87.4 against 86.2 at 64 x 2048.
 
 Pages: request b's pages are indices[indptr[b]:indptr[b + 1]], its last page holds
 last_page_len[b] tokens; token t of page p lives at slot p * page_size + t of the head-major
