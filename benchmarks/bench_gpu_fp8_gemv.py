@@ -69,9 +69,9 @@ def sweep_configs(rows: int, n: int, k: int):
     from radixlm.srt.executor.quantization.fp8_gemv import GemvConfig
 
     if rows == 1:  # the multiply-add kernel: small tiles, many programs
-        tiles = ((4, 512), (4, 1024), (8, 256), (8, 512), (8, 1024), (16, 256), (16, 512), (16, 1024), (32, 256),
+        tiles = ((4, 1024), (8, 512), (8, 1024), (8, 2048), (16, 256), (16, 512), (16, 1024), (16, 2048),
                  (32, 512))
-        options = itertools.product(tiles, (1, 2, 4), (4, 8), (1, 3))
+        options = itertools.product(tiles, (1, 2), (4, 8), (1, 3))
     else:  # the tensor-core kernel
         tiles = ((16, 128), (16, 256), (16, 512), (32, 128), (32, 256), (32, 512), (64, 128), (64, 256))
         options = itertools.product(tiles, (1, 2, 4, 8), (4, 8), (3, 5))
