@@ -165,7 +165,7 @@ def test_find_groups_rounds_shared_prefix_down_to_pages():
 def test_cascade_page_tables_cover_each_request(page_size):
     """Level 1's shared pages followed by level 2's own pages are exactly each request's KV."""
     from radixlm.srt.executor.attention.cascade_groups import find_groups
-    from radixlm.srt.executor.attention.flashinfer_backend import cascade_page_tables
+    from radixlm.srt.executor.attention.flashinfer_cascade import cascade_page_tables
     from radixlm.srt.scheduler.kv_memory import PageAllocator
 
     alloc = PageAllocator(capacity_tokens=8192, page_size=page_size)
@@ -215,7 +215,7 @@ def test_graph_cascade_tables_have_fixed_sizes_and_cover_each_request(page_size)
     every other row (requests outside groups, padding) in one level-1 segment on the padding
     page, and level 1 + level 2 still exactly each grouped request's KV."""
     from radixlm.srt.executor.attention.cascade_groups import find_groups
-    from radixlm.srt.executor.attention.flashinfer_backend import graph_cascade_tables, graph_prefix_segments
+    from radixlm.srt.executor.attention.flashinfer_cascade import graph_cascade_tables, graph_prefix_segments
     from radixlm.srt.scheduler.kv_memory import PageAllocator
 
     alloc = PageAllocator(capacity_tokens=8192, page_size=page_size)

@@ -56,14 +56,14 @@ def test_backend_claiming_graphs_without_the_hooks_is_refused_by_name():
 
 
 def test_flashinfer_implements_every_hook_and_adds_cascade_at_large_buckets():
-    from radixlm.srt.executor.attention import flashinfer_backend
+    from radixlm.srt.executor.attention import flashinfer_backend, flashinfer_graphs
 
     backend = object.__new__(flashinfer_backend.FlashInferBackend)  # no CUDA here: the class only
     assert backend.supports_cuda_graph and missing_cuda_graph_hooks(backend) == []
     backend.cascade = True
-    big = flashinfer_backend.CASCADE_GRAPH_MIN_BS
+    big = flashinfer_graphs.CASCADE_GRAPH_MIN_BS
     assert backend.cuda_graph_variants(big - 1) == (DEFAULT_GRAPH_VARIANT,)
-    assert backend.cuda_graph_variants(big) == (DEFAULT_GRAPH_VARIANT, flashinfer_backend.CASCADE_GRAPH_VARIANT)
+    assert backend.cuda_graph_variants(big) == (DEFAULT_GRAPH_VARIANT, flashinfer_graphs.CASCADE_GRAPH_VARIANT)
     backend.cascade = False  # --disable-cascade-attention
     assert backend.cuda_graph_variants(big) == (DEFAULT_GRAPH_VARIANT,)
 

@@ -172,17 +172,17 @@ CASCADE_MODES = {
     "eager": ({"flashinfer_backend.CASCADE_GRAPH_MIN_SAVED_BYTES": 0,
                "flashinfer_backend.CASCADE_EAGER_MIN_SAVED_BYTES": 0}, "_plan_cascade"),
     # Buckets of 8 and 16 get cascade graphs here (64 and up by default).
-    "cuda-graph": ({"flashinfer_backend.CASCADE_GRAPH_MIN_BS": 8,
-                    "flashinfer_backend.CASCADE_IN_GRAPH_MIN_SAVED_BYTES": 0}, "_plan_graph_cascade"),
+    "cuda-graph": ({"flashinfer_graphs.CASCADE_GRAPH_MIN_BS": 8,
+                    "flashinfer_graphs.CASCADE_IN_GRAPH_MIN_SAVED_BYTES": 0}, "_plan_graph_cascade"),
 }
 
 
 @pytest.mark.parametrize("mode", list(CASCADE_MODES))
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_engine_greedy_outputs_equal_with_and_without_cascade(tmp_path, monkeypatch, page_size, mode):
-    from radixlm.srt.executor.attention import flashinfer_backend
+    from radixlm.srt.executor.attention import flashinfer_backend, flashinfer_graphs
 
-    modules = {"flashinfer_backend": flashinfer_backend}
+    modules = {"flashinfer_backend": flashinfer_backend, "flashinfer_graphs": flashinfer_graphs}
     patches, planner = CASCADE_MODES[mode]
     for target, value in patches.items():
         module, name = target.split(".")
