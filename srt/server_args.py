@@ -184,9 +184,6 @@ class ServerArgs:
             return
         if not self.speculative_draft_model_path:
             raise ValueError(f"speculative_draft_model_path: required with speculative_algorithm {name!r}")
-        if self.tp_size > 1:
-            raise ValueError("speculative_algorithm: a draft model under tensor parallelism (tp_size > 1) is not "
-                             "implemented; ngram speculation needs no model")
         if self.speculative_num_steps is not None and not 1 <= self.speculative_num_steps <= 16:
             raise ValueError("speculative_num_steps: must be between 1 and 16")
 

@@ -138,7 +138,30 @@ def test_an_engine_over_two_ranks_speculates_as_one_rank_decodes(engine):
     try:
         outs = tp2.generate(prompts, params)
         assert [o["output_ids"] for o in outs] == expected
-        assert all(o["meta_info"]["spec_verify_ct"] < 40 for o in outs)  # drafts were accepted
+        assert all(0 < o["meta_info"]["spec_verify_ct"] < 40 for o in outs)  # verified, drafts accepted
+        tp2.flush_cache()
+        assert tp2.scheduler.kv_stats()["leaked"] == 0
+    finally:
+        tp2.shutdown()
+
+
+@pytest.mark.slow
+def test_an_engine_over_two_ranks_drafts_with_a_whole_model_on_rank_0(engine):
+    """--speculative-algorithm draft under tp_size=2: the target runs over both ranks, the draft
+    (the default model itself, so most drafts are accepted) whole on rank 0 with its KV in the
+    same slots; greedy outputs equal the plain one-rank Engine's, and no KV slot leaks."""
+    from radixlm.srt import Engine
+    from radixlm.srt.executor.model_loader import default_model_path
+
+    prompts = ["The capital of France is", "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n"]
+    params = {"max_new_tokens": 24, "temperature": 0}
+    expected = [o["output_ids"] for o in engine.generate(prompts, params)]
+    tp2 = Engine(tp_size=2, max_total_tokens=8192, speculative_algorithm="draft",
+                 speculative_draft_model_path=default_model_path(), speculative_num_steps=4)
+    try:
+        outs = tp2.generate(prompts, params)
+        assert [o["output_ids"] for o in outs] == expected
+        assert all(0 < o["meta_info"]["spec_verify_ct"] < 16 for o in outs)  # verified, drafts accepted
         tp2.flush_cache()
         assert tp2.scheduler.kv_stats()["leaked"] == 0
     finally:

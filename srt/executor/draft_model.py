@@ -25,10 +25,11 @@ from radixlm.srt.constrained.decoding import valid_draft_len
 from radixlm.srt.executor.batch_builder import build_extend_batch, build_token_batch
 from radixlm.srt.executor.forward_batch import ForwardBatch
 from radixlm.srt.executor.mem_pool import KVPool, kv_cache_torch_dtype
-from radixlm.srt.executor.model_runner import ModelRunner, kv_slots_for, model_bytes
+from radixlm.srt.executor.model_runner import ModelRunner, kv_slots_for, model_bytes, rank_config
+from radixlm.srt.executor.parallel import TensorParallel
 from radixlm.srt.executor.sampler import filter_probs, make_generator
 from radixlm.srt.scheduler.request import Req
-from radixlm.srt.scheduler.step_plan import ExtendPlan, StepPlan
+from radixlm.srt.scheduler.step_plan import StepPlan
 from radixlm.srt.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
@@ -63,14 +64,17 @@ def check_same_vocabulary(target, draft) -> None:
 def kv_slots_with_draft(config, args: ServerArgs) -> int:
     """KV slots when every slot holds both models' K/V: the target-only budget in bytes, less the
     draft's weights (counted twice: the loaded copy and the runner's), over both models' bytes
-    per token. As the target-only figure where it is fixed (--max-total-tokens, CPU)."""
+    per token. As the target-only figure where it is fixed (--max-total-tokens, CPU). Under
+    tensor parallelism the draft is whole on rank 0, where this runs: the target's part of a
+    token is the rank's (the other ranks, without a draft, have room for at least as many)."""
     target_only = kv_slots_for(config, args)
     if args.max_total_tokens is not None or args.resolved_device() == "cpu":
         return target_only
     draft = load_draft_model(args, with_weights=False).config
     dtype = args.resolved_dtype()
     kv_dtype = kv_cache_torch_dtype(args.kv_cache_dtype, dtype)  # as kv_slots_for counted the target's
-    per_token = [KVPool.bytes_per_token(c.num_layers, c.num_kv_heads, c.head_dim, kv_dtype) for c in (config, draft)]
+    per_token = [KVPool.bytes_per_token(c.num_layers, c.num_kv_heads, c.head_dim, kv_dtype)
+                 for c in (rank_config(config), draft)]
     budget = target_only * per_token[0] - 2 * model_bytes(draft, dtype, args.quantization)
     slots = int(budget // sum(per_token))
     if slots < 4096:
@@ -87,7 +91,10 @@ class DraftModel:
             raise ValueError(f"speculative_draft_model_path: the draft model {draft.model_path} reads "
                              f"{draft.config.context_len} tokens of context, fewer than the {context_len} served "
                              f"(the target {target.model_path}); pass --context-length {draft.config.context_len}")
-        self.runner = ModelRunner(draft, args, req_to_token, num_kv_slots)
+        # Under tensor parallelism the draft runs whole on rank 0, outside the ranks' collectives:
+        # it is small, and its forwards (one per draft) then cost no messages to the other ranks,
+        # which only ever see the target's batches.
+        self.runner = ModelRunner(draft, args, req_to_token, num_kv_slots, tp=TensorParallel())
         self.device = self.runner.device
         logger.info("draft model %s: %d layers, hidden %d", draft.model_path, draft.config.num_layers,
                     draft.config.hidden_size)

@@ -27,11 +27,13 @@ CPU_DEFAULT_KV_TOKENS = 32768
 
 
 class ModelRunner:
-    def __init__(self, loaded, args: ServerArgs, req_to_token: torch.Tensor, num_kv_slots: int):
-        """Under tensor parallelism (`parallel.current()`), `loaded` holds this rank's shard and
-        rank 0 sends every batch to the other ranks before running it (step_broadcast.py)."""
+    def __init__(self, loaded, args: ServerArgs, req_to_token: torch.Tensor, num_kv_slots: int,
+                 tp: parallel.TensorParallel | None = None):
+        """Under tensor parallelism (`parallel.current()`, or `tp`), `loaded` holds this rank's
+        shard and rank 0 sends every batch to the other ranks before running it
+        (step_broadcast.py). tp=TensorParallel(): a whole model on this rank alone (a draft)."""
         self.args = args
-        self.tp = parallel.current()
+        self.tp = parallel.current() if tp is None else tp
         self.device = torch.device(args.resolved_device())
         if self.device.type == "cuda":  # a rank's own GPU (parallel.py set it)
             self.device = torch.device("cuda", torch.cuda.current_device())
@@ -150,7 +152,7 @@ def kv_slots_for(config: ModelConfig, args: ServerArgs) -> int:
     free, total = torch.cuda.mem_get_info()
     # This rank's part of the weights and of each token's KV; every rank then takes the
     # smallest count, so slot numbers mean the same on all.
-    local = ShardPlan.for_rank(config, tp.rank, tp.size).local_config(config) if tp.enabled else config
+    local = rank_config(config)
     # Called before the runner builds its copy of the weights (the loaded ones are freed after).
     budget = free - (1.0 - args.mem_fraction_static) * total - model_bytes(local, dtype, args.quantization)
     bytes_per_token = KVPool.bytes_per_token(local.num_layers, local.num_kv_heads, local.head_dim,
@@ -159,6 +161,12 @@ def kv_slots_for(config: ModelConfig, args: ServerArgs) -> int:
         raise ValueError(f"mem_fraction_static: {args.mem_fraction_static} leaves no room for the KV cache "
                          f"({free / 2**30:.1f} GiB free of {total / 2**30:.1f} GiB)")
     return tp.min_on_host(int(budget // bytes_per_token))
+
+
+def rank_config(config: ModelConfig) -> ModelConfig:
+    """This tensor-parallel rank's part of the model (its heads, MLP columns): `config` on one rank."""
+    tp = parallel.current()
+    return ShardPlan.for_rank(config, tp.rank, tp.size).local_config(config) if tp.enabled else config
 
 
 def model_bytes(config: ModelConfig, dtype: torch.dtype, quantization: str | None = None) -> int:
