@@ -93,6 +93,7 @@ def bench_decode(make_engine, rep: Reporter) -> None:
     bw = measure_bandwidth()
     best_bw = max(bw.values()) * 1e12
     from radixlm.srt.executor import pdl
+    from radixlm.srt.executor.attention import flashinfer_backend
     from radixlm.srt.executor.quantization import fp8 as fp8_module
 
     ms = {}
@@ -100,11 +101,14 @@ def bench_decode(make_engine, rep: Reporter) -> None:
     # fp8: the default dispatch (fp8_gemv up to GEMV_MAX_ROWS rows); fp8_scaled_mm: every batch
     # through quantize + torch._scaled_mm, captured into the graphs as such.
     # fp8_no_pdl: the default path with our kernels launched plainly (see srt/executor/pdl.py).
+    # fp8_unfused_rotary: the rotation and the KV store as two kernels (the default fuses them).
     for name, kwargs, gemv in (("bf16", {}, default_gemv), ("fp8", {"quantization": "fp8"}, default_gemv),
                                ("fp8_no_pdl", {"quantization": "fp8"}, default_gemv),
+                               ("fp8_unfused_rotary", {"quantization": "fp8"}, default_gemv),
                                ("fp8_scaled_mm", {"quantization": "fp8"}, None)):
         fp8_module._fp8_gemv = gemv
         pdl.set_enabled(name != "fp8_no_pdl")
+        flashinfer_backend.set_fused_rotary_store(name != "fp8_unfused_rotary")
         try:
             engine = make_engine(max_running_requests=8, cuda_graph_max_bs=8, **kwargs)
             ms[name] = decode_ms_per_token(engine)
@@ -118,6 +122,7 @@ def bench_decode(make_engine, rep: Reporter) -> None:
         finally:
             fp8_module._fp8_gemv = default_gemv
             pdl.set_enabled(True)
+            flashinfer_backend.set_fused_rotary_store(True)
         config = engine.model_config
         free_engine(engine)
     fp8_bytes = model_bytes(config, torch.bfloat16, "fp8")
@@ -133,6 +138,8 @@ def bench_decode(make_engine, rep: Reporter) -> None:
               "fp8_scaled_mm_ms_per_token": round(ms["fp8_scaled_mm"], 3),
               "fp8_without_pdl_ms_per_token": round(ms["fp8_no_pdl"], 3),
               "pdl_speedup": round(ms["fp8_no_pdl"] / ms["fp8"], 3),
+              "fp8_unfused_rotary_store_ms_per_token": round(ms["fp8_unfused_rotary"], 3),
+              "fused_rotary_store_speedup": round(ms["fp8_unfused_rotary"] / ms["fp8"], 3),
               "fp8_weight_gb": round(fp8_bytes / 1e9, 3), "bytes_read_per_step_gb": round(step_bytes / 1e9, 3), "bandwidth_tb_s": {k: round(v, 3) for k, v in bw.items()},
               "fp8_roofline_ms": round(roofline_ms, 3), "fraction_of_fp8_roofline": round(roofline_ms / ms["fp8"], 3),
               "goal": "<= 2.4 ms/token", "vllm_fp8_recorded": VLLM_FP8_RECORDED,

@@ -273,3 +273,25 @@ def test_norm_and_activation_hand_fp8_projections_their_input_quantized(config_p
     assert [o["output_ids"] for o in fused] == [o["output_ids"] for o in separate]
     assert [o["meta_info"]["output_token_logprobs"] for o in fused] == \
         [o["meta_info"]["output_token_logprobs"] for o in separate]
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8_e4m3"])
+def test_rotation_and_kv_store_in_one_launch_change_no_output(config_path, kv_cache_dtype, monkeypatch):
+    """The FlashInfer backend rotates q and k and stores K/V in one kernel; the outputs and
+    logprobs are exactly those of the rotary kernel followed by the KV store (prefill with
+    shared prefixes, and decode under CUDA graphs), over a bf16 pool and an FP8 one."""
+    from radixlm.srt.executor.attention import flashinfer_backend
+
+    calls = []
+    fused_store = KVPool.rotate_and_store
+    monkeypatch.setattr(KVPool, "rotate_and_store", lambda self, *a: calls.append(1) or fused_store(self, *a))
+    fused = _run(config_path, kv_cache_dtype=kv_cache_dtype, attention_backend="flashinfer")
+    assert calls  # the fused path ran
+    flashinfer_backend.set_fused_rotary_store(False)
+    try:
+        separate = _run(config_path, kv_cache_dtype=kv_cache_dtype, attention_backend="flashinfer")
+    finally:
+        flashinfer_backend.set_fused_rotary_store(True)
+    assert [o["output_ids"] for o in fused] == [o["output_ids"] for o in separate]
+    assert [o["meta_info"]["output_token_logprobs"] for o in fused] == \
+        [o["meta_info"]["output_token_logprobs"] for o in separate]

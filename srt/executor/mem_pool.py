@@ -55,6 +55,21 @@ class KVPool:
         k_buf.view(torch.uint8).index_copy_(1, slots, to_fp8(k, self.k_scale).transpose(0, 1).view(torch.uint8))
         v_buf.view(torch.uint8).index_copy_(1, slots, to_fp8(v, self.v_scale).transpose(0, 1).view(torch.uint8))
 
+    def fuses_rotary(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+        """Whether rotate_and_store can take these q, k, v (CUDA, Triton, KV heads dividing the
+        query heads, k and v in the pool's dtype unless it is FP8)."""
+        return (self._triton_store and q.shape[1] % k.shape[1] == 0
+                and (self.is_fp8 or k.dtype == v.dtype == self.dtype))
+
+    def rotate_and_store(self, layer_id: int, slots: torch.Tensor, positions: torch.Tensor, q: torch.Tensor,
+                         k: torch.Tensor, v: torch.Tensor, cos_cache: torch.Tensor, sin_cache: torch.Tensor) -> None:
+        """Rotates q and k in place (rotate-half, the caches' rows at `positions`) and stores k and
+        v at `slots`, in one launch (triton_ops.rotary_store_kv); see fuses_rotary."""
+        from radixlm.srt.executor.models.triton_ops import rotary_store_kv
+
+        rotary_store_kv(positions, q, k, v, cos_cache, sin_cache, self.k_buffers[layer_id], self.v_buffers[layer_id],
+                        slots, self.k_scale, self.v_scale)
+
     @staticmethod
     def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
         return 2 * num_layers * num_kv_heads * head_dim * torch.finfo(dtype).bits // 8

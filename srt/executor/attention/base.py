@@ -59,6 +59,13 @@ class AttentionBackend(abc.ABC):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int) -> torch.Tensor:
         """q: [T, num_heads, head_dim]; k, v: [T, num_kv_heads, head_dim] -> [T, num_heads * head_dim]."""
 
+    def forward_with_rotary(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
+                            positions: torch.Tensor, rotary, ops) -> torch.Tensor:
+        """forward after rotating q and k (`rotary`, a models.rotary.RotaryEmbedding, with `ops`).
+        A backend may fold the rotation into its KV store."""
+        q, k = rotary(positions, q, k, ops)
+        return self.forward(q, k, v, layer_id)
+
     # ---- CUDA-graph capture and replay -------------------------------------------------------
 
     @property

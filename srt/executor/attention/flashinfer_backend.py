@@ -58,6 +58,15 @@ CASCADE_GRAPH_MIN_SAVED_BYTES = 1 << 30
 CASCADE_EAGER_MIN_SAVED_BYTES = 32 << 20
 
 
+_fuse_rotary_store = True
+
+
+def set_fused_rotary_store(enabled: bool) -> None:
+    """Turns the one-launch rotation and KV store on or off (benchmarks compare)."""
+    global _fuse_rotary_store
+    _fuse_rotary_store = enabled
+
+
 class FlashInferBackend(FlashInferGraphs, AttentionBackend):
     """Sliding windows and soft-capping: FlashInfer takes both at plan time (`window_left`,
     `logits_soft_cap`), so each distinct window has its own prefill and decode wrapper (and its
@@ -267,6 +276,20 @@ class FlashInferBackend(FlashInferGraphs, AttentionBackend):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int) -> torch.Tensor:
         self.kv_pool.store(layer_id, self._out_cache_loc, k, v)
+        return self._attend(q, k, v, layer_id)
+
+    def forward_with_rotary(self, q, k, v, layer_id, positions, rotary, ops):
+        """The rotation and the KV store in one Triton launch where they apply (a full-width
+        rotate-half rotary with the Triton ops): one short kernel less per layer."""
+        if (not _fuse_rotary_store or ops.name != "triton" or rotary.rotary_dim
+                or not self.kv_pool.fuses_rotary(q, k, v)):
+            return super().forward_with_rotary(q, k, v, layer_id, positions, rotary, ops)
+        self.kv_pool.rotate_and_store(layer_id, self._out_cache_loc, positions, q, k, v, rotary.cos_cache,
+                                      rotary.sin_cache)
+        return self._attend(q, k, v, layer_id)
+
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int) -> torch.Tensor:
+        """Attention over the pool, this step's K/V already stored."""
         if self._ragged_step:
             return self._ragged_forward(q, k, v, layer_id)
         if self._decode_tables is not None:

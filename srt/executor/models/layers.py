@@ -84,8 +84,8 @@ class Attention(nn.Module):
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rotary(positions, q, k, self.ops)
-        return self.tp.all_reduce(self.o_proj(attn.forward(q, k, v, self.layer_id)))
+        out = attn.forward_with_rotary(q, k, v, self.layer_id, positions, rotary, self.ops)
+        return self.tp.all_reduce(self.o_proj(out))
 
 
 class GatedMLP(nn.Module):
