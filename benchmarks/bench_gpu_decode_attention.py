@@ -25,7 +25,7 @@ from bench_gpu_llama8b import Reporter  # noqa: E402
 HEADS, KV_HEADS, HEAD_DIM, LAYERS = 32, 8, 128, 32
 VARIANTS = {"tensor_cores": (True, False), "tensor_cores_no_split": (True, True), "cuda_cores": (False, False),
             "cuda_cores_no_split": (False, True)}
-SWEEP_TILES = list(itertools.product((32, 64, 128), (4, 8), (2, 3)))
+SWEEP_TILES = list(itertools.product((32, 64, 128), (4, 8), (2, 3), (0, 1)))  # the last: V pairs (FP8)
 SWEEP_SPLIT_FACTORS = (1, 2, 4)
 
 
@@ -50,7 +50,9 @@ class Case:
         self.pages = [(as_pages(k, page_size), as_pages(v, page_size)) for k, v in self.pools]
 
     def triton_us(self, tiles=None, splits=None) -> float:
-        from radixlm.srt.executor.attention.triton_decode import paged_decode
+        from radixlm.srt.executor.attention.triton_decode import DecodeTiles, paged_decode
+
+        tiles = DecodeTiles(*tiles) if tiles else None
 
         def step():
             for k, v in self.pools:
@@ -113,12 +115,14 @@ def main() -> None:
     parser.add_argument("--variants", default=",".join([*VARIANTS, "triton"]))
     parser.add_argument("--triton-sweep", action="store_true", help="also time other tiles and split counts")
     parser.add_argument("--sweep-tiles", default=None,
-                        help="the sweep's tiles as TOKENS_WARPS_STAGES,... (default: SWEEP_TILES)")
+                        help="the sweep's tiles as TOKENS_WARPS_STAGES[_PAIRS],... (default: SWEEP_TILES)")
+    parser.add_argument("--split-factors", default=",".join(map(str, SWEEP_SPLIT_FACTORS)),
+                        help="the sweep's split counts, as multiples of the engine's")
     parser.add_argument("--split-counts", default=None,
                         help="comma-separated: also time the engine's tiles with each of these split counts")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
-    from radixlm.srt.executor.attention.triton_decode import decode_num_splits
+    from radixlm.srt.executor.attention.triton_decode import DecodeTiles, decode_num_splits
 
     rep = Reporter(args.out, "python " + shlex.join(sys.argv))
     dtypes = {"bf16": torch.bfloat16, "fp8_e4m3": torch.float8_e4m3fn}
@@ -140,14 +144,16 @@ def main() -> None:
             sweep = {}
             tile_list = ([tuple(map(int, t.split("_"))) for t in args.sweep_tiles.split(",")] if args.sweep_tiles
                          else SWEEP_TILES)
-            for tiles, factor in itertools.product(tile_list, SWEEP_SPLIT_FACTORS):
+            for tiles, factor in itertools.product(tile_list, map(int, args.split_factors.split(","))):
                 splits = base_splits * factor
                 try:
-                    sweep["_".join(map(str, (*tiles, splits)))] = round(case.triton_us(tiles, splits), 2)
+                    key = "_".join(map(str, (*map(int, DecodeTiles(*tiles)), splits)))
+                    sweep[key] = round(case.triton_us(tiles, splits), 2)
                 except Exception as e:  # a tile that does not fit: skip it
                     print(f"# {tiles} x {splits} splits: {type(e).__name__}", flush=True)
             best = min(sweep, key=sweep.get)
-            line.update(triton_sweep_block_warps_stages_splits=sweep, triton_best=best, triton_best_us=sweep[best])
+            line.update(triton_sweep_block_warps_stages_pairs_splits=sweep, triton_best=best,
+                        triton_best_us=sweep[best])
         if args.split_counts:
             line["triton_us_by_splits"] = {splits: round(case.triton_us(splits=int(splits)), 2)
                                            for splits in args.split_counts.split(",")}

@@ -222,12 +222,13 @@ def test_fp8_gemv_kernel_in_the_triton_interpreter():
 
 FP8_DECODE_CHECK = """
 import random, torch
-from radixlm.srt.executor.attention.triton_decode import paged_decode
+from radixlm.srt.executor.attention.triton_decode import DecodeTiles, paged_decode
 torch.manual_seed(0); rng = random.Random(0)
 worst = 0.0
 fp8 = torch.float8_e4m3fn
-for page_size, hq, hkv, lens, splits, pool in [(1, 8, 2, [5, 70, 1], 1, fp8), (4, 8, 2, [5, 70, 1], 4, fp8), (2, 4, 4, [33, 129], 2, fp8),
-                                               (1, 12, 4, [200], 8, fp8), (2, 8, 2, [40, 3], 2, torch.half)]:
+for page_size, hq, hkv, lens, splits, pool, pairs in [
+        (1, 8, 2, [5, 70, 1], 1, fp8, True), (4, 8, 2, [5, 70, 1], 4, fp8, False), (2, 4, 4, [33, 129], 2, fp8, True),
+        (1, 12, 4, [200], 8, fp8, False), (1, 12, 4, [200], 1, fp8, True), (2, 8, 2, [40, 3], 2, torch.half, False)]:
     d = 64
     num_pages = sum(-(-n // page_size) for n in lens) + 3
     slots = num_pages * page_size
@@ -242,7 +243,8 @@ for page_size, hq, hkv, lens, splits, pool in [(1, 8, 2, [5, 70, 1], 1, fp8), (4
     q = torch.randn(len(lens), hq, d).half()
     ks, vs = (0.5, 1.5) if pool == fp8 else (1.0, 1.0)
     out = paged_decode(q, k_buf, v_buf, torch.tensor(indptr, dtype=torch.int32), torch.tensor(indices, dtype=torch.int32),
-                           torch.tensor(last, dtype=torch.int32), page_size, d ** -0.5, ks, vs, splits=splits).float()
+                           torch.tensor(last, dtype=torch.int32), page_size, d ** -0.5, ks, vs, splits=splits,
+                       tiles=DecodeTiles(32, 4, 2, pairs)).float()
     for b, n in enumerate(lens):
         pages = indices[indptr[b]:indptr[b + 1]]
         tok = torch.tensor([p * page_size + t for p in pages for t in range(page_size)][:n])
@@ -260,8 +262,8 @@ def test_paged_decode_kernel_in_the_triton_interpreter():
     """The FP8-KV decode attention kernel (used by the FlashInfer backend on CUDA) against plain
     attention over the dequantized pages: pages of 1, 2 and 4 tokens in shuffled order, GQA groups
     of 1, 3 and 4, one to eight splits (with empty ones past a short request's end), K and V
-    scales; and an fp16 pool, read without widening; fp16 queries, as the interpreter multiplies
-    bf16 as raw bits."""
+    scales, V read as bytes or as pairs; and an fp16 pool, read without widening; fp16 queries,
+    as the interpreter multiplies bf16 as raw bits."""
     import os
     import subprocess
     import sys

@@ -5,8 +5,9 @@ Why not FlashInfer's decode kernel: on the H200 with Llama-3.1-8B heads, pages o
 from a CUDA graph (benchmarks/bench_gpu_decode_attention.py --triton-sweep, 2026-12-01), with
 decode_tiles' tiles this kernel takes 5.7-8.2 us a layer at batch 1 (FlashInfer 9.6-12.1),
 20.5 at batch 64 x 256 tokens (32.2) and 483.4 at 256 x 2048 (507.1; 4.4 TB/s); over an FP8
-pool, which FlashInfer 0.6.11 reads no faster than bf16 (476.8 us at 256 x 2048), it takes
-340.6 (3.2 TB/s). Decode attention only has to stream each request's K and V once: the kernel
+pool, which FlashInfer 0.6.11 reads no faster than bf16 (477.2 us at 256 x 2048), it takes
+289.3 (3.7 TB/s; 340.6 before V was read in pairs, paged_decode) and 16.3 at batch 8 x 2048
+(FlashInfer 25.1). Decode attention only has to stream each request's K and V once: the kernel
 reads the pool's bytes, widens FP8 in registers and runs the two small products on tensor cores.
 
 One program per (request, KV head, split of the sequence): the KV head's whole query group
@@ -22,7 +23,11 @@ counter, acq_rel atomic, .cg loads). At batch 1 (32 splits) it took 17.2 us a la
 from 2.72 to 3.07 ms/token; at batch 8 it won on FP8 (8.6 against 11.4 us) and lost on bf16
 (12.3 against 10.7). The merge kernel stays. Token offsets in 32 bits instead of 64 (fewer
 address registers: ncu counts 253 a thread for the FP8 tiles, so 2 programs an SM) were no
-faster either: 341.9 against 337.2 us at 256 x 2048 FP8, 87.4 against 86.2 at 64 x 2048.
+faster either: 341.9 against 337.2 us at 256 x 2048 FP8, 87.4 against 86.2 at 64 x 2048. Nor
+was cutting the head dimension into four slices, each with its own products and accumulator,
+which took the FP8 tiles from 253 to 96 registers a thread: 422 against 359 us at 256 x 2048
+FP8, 578 against 499 on bf16 (occupancy was not what held the kernel back; the byte-wise reads
+of V were, see paged_decode).
 
 Pages: request b's pages are indices[indptr[b]:indptr[b + 1]], its last page holds
 last_page_len[b] tokens; token t of page p lives at slot p * page_size + t of the head-major
@@ -49,7 +54,8 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, indptr_ptr, indices_ptr, last_len_ptr, o
                    stride_qb, stride_qh, stride_kh, stride_vh, stride_ob, stride_oh, qk_scale, v_scale,
                    WIDEN_FP16: tl.constexpr,
                    NUM_Q_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
-                   PAGE_SIZE: tl.constexpr, BLOCK_T: tl.constexpr, NUM_SPLITS: tl.constexpr, PDL: tl.constexpr):
+                   PAGE_SIZE: tl.constexpr, BLOCK_T: tl.constexpr, NUM_SPLITS: tl.constexpr, V_PAIRS: tl.constexpr,
+                   PDL: tl.constexpr):
     launch_dependents(PDL)
     wait(PDL)  # the page tables and q come from earlier kernels and copies
     b = tl.program_id(0)
@@ -78,33 +84,57 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, indptr_ptr, indices_ptr, last_len_ptr, o
     m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
     acc = tl.zeros([BLOCK_G, HEAD_DIM], dtype=tl.float32)
+    # V_PAIRS (FP8 pools): V is read as 16-bit pairs of neighbouring values (see paged_decode),
+    # and the even and odd columns of the output accumulate apart.
+    half = tl.arange(0, HEAD_DIM // 2)
+    acc_even = tl.zeros([BLOCK_G, HEAD_DIM // 2], dtype=tl.float32)
+    acc_odd = tl.zeros([BLOCK_G, HEAD_DIM // 2], dtype=tl.float32)
+    v_pairs = v_head.to(tl.pointer_type(tl.int16))
     for t0 in range(t_begin, t_end, BLOCK_T):
         t = t0 + tl.arange(0, BLOCK_T)
         t_mask = t < t_end
         page = tl.load(indices_ptr + page_begin + t // PAGE_SIZE, mask=t_mask, other=0).to(tl.int64)
         slot = page * PAGE_SIZE + t % PAGE_SIZE
         k = tl.load(k_head + slot[:, None] * HEAD_DIM + d[None, :], mask=t_mask[:, None], other=0.0)
-        v = tl.load(v_head + slot[:, None] * HEAD_DIM + d[None, :], mask=t_mask[:, None], other=0.0)
         s = tl.dot(q, tl.trans(k.to(q.dtype))) * score_scale  # log2 domain: sm_scale * k_scale * log2(e)
         s = tl.where(t_mask[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype))
+        p = p.to(q.dtype)
+        if V_PAIRS:
+            pairs = tl.load(v_pairs + slot[:, None] * (HEAD_DIM // 2) + half[None, :], mask=t_mask[:, None], other=0)
+            acc_even = acc_even * alpha[:, None] + tl.dot(p, _e4m3_byte_to_fp16(pairs))
+            acc_odd = acc_odd * alpha[:, None] + tl.dot(p, _e4m3_byte_to_fp16(pairs >> 8))
+        else:
+            v = tl.load(v_head + slot[:, None] * HEAD_DIM + d[None, :], mask=t_mask[:, None], other=0.0)
+            acc = acc * alpha[:, None] + tl.dot(p, v.to(p.dtype))
         m_i = m_new
 
+    # An empty split (past a short request's end) leaves lse -inf and a zero output.
+    has = l_i > 0
+    inv_l = tl.where(has, 1.0 / tl.where(has, l_i, 1.0), 0.0)
     if NUM_SPLITS == 1:
-        out = acc / l_i[:, None] * v_scale
-        tl.store(out_ptr + b * stride_ob + q_heads[:, None] * stride_oh + d[None, :],
-                 out.to(out_ptr.dtype.element_ty), mask=g_mask[:, None])
-    else:  # an empty split (past a short request's end) leaves lse -inf and a zero output
-        has = l_i > 0
-        out = tl.where(has[:, None], acc / tl.where(has, l_i, 1.0)[:, None], 0.0)
-        lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
+        out_rows = out_ptr + b * stride_ob + q_heads[:, None] * stride_oh
+        inv_l *= v_scale
+    else:
         row = (b * NUM_SPLITS + split) * NUM_Q_HEADS + q_heads
-        tl.store(part_out_ptr + row[:, None] * HEAD_DIM + d[None, :], out, mask=g_mask[:, None])
-        tl.store(part_lse_ptr + row, lse, mask=g_mask)
+        out_rows = part_out_ptr + row[:, None] * HEAD_DIM
+        tl.store(part_lse_ptr + row, tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf")),
+                 mask=g_mask)
+    out_ty = out_rows.dtype.element_ty
+    if V_PAIRS:
+        tl.store(out_rows + 2 * half[None, :], (acc_even * inv_l[:, None]).to(out_ty), mask=g_mask[:, None])
+        tl.store(out_rows + 2 * half[None, :] + 1, (acc_odd * inv_l[:, None]).to(out_ty), mask=g_mask[:, None])
+    else:
+        tl.store(out_rows + d[None, :], (acc * inv_l[:, None]).to(out_ty), mask=g_mask[:, None])
+
+
+@triton.jit
+def _e4m3_byte_to_fp16(bits):
+    """The low byte of each 16-bit value, as an e4m3 number, widened to fp16."""
+    return (bits & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float16)
 
 
 @triton.jit
@@ -169,23 +199,32 @@ def load_decode_tables(kv, device: torch.device, num_kv_heads: int, sm_count: in
                         decode_num_splits(batch, num_kv_heads, sm_count))
 
 
-def decode_tiles(pool_dtype: torch.dtype, batch_size: int) -> tuple[int, int, int]:
-    """(tokens per loop step, num_warps, num_stages) for a pool dtype and batch size. From the
-    H200 sweep (module docstring; batch 1, 16, 64, 256 x 256 and 2048 tokens, 12 tiles x 3 split
-    counts): each choice is within 7% of the best at its sizes on bf16 and within 11% on FP8
-    (FP8 batch 16 x 2048: 36.9 us against 33.3 for 128-token tiles). Long FP8 contexts are
-    latency-bound: five stages instead of three take batch 256 x 2048 from 366 to 340 us and
-    64 x 2048 from 99.6 to 86.4 (more stages, 256-token tiles or 8 warps were slower; so were
-    K as the dot's left operand, widening by integer bit operations and CUDA-core products)."""
+class DecodeTiles(NamedTuple):
+    """The kernel's launch shape: tokens per loop step, warps, pipeline stages, and whether an FP8
+    pool's V is read as 16-bit pairs (paged_decode's docstring)."""
+
+    block_t: int
+    num_warps: int
+    num_stages: int
+    v_pairs: bool = False
+
+
+def decode_tiles(pool_dtype: torch.dtype, batch_size: int) -> DecodeTiles:
+    """The tiles for a pool dtype and batch size, from H200 sweeps (bench_gpu_decode_attention.py
+    --triton-sweep; batch 1, 8, 64, 256 x 256 and 2048 tokens; benchmarks/results/gpu_h200.jsonl).
+    bf16 (2026-12-01, 12 tiles x 3 split counts): each choice within 7% of the best at its sizes.
+    FP8, V read in pairs (2026-12-01, 8 tiles): 128-token tiles, 3 stages, the best or within 2%
+    at batch 8 x 2048, 64 and 256 (batch 8 x 256: 10.1 us against 8.6); at batch 1 the byte reads
+    are faster (5.3 / 7.9 us against 5.7 / 9.2 at 256 / 2048 tokens), with 32-token tiles."""
     if pool_dtype == torch.float8_e4m3fn:
-        return (32, 4, 3) if batch_size < 64 else (128, 4, 5)
-    return (64, 4, 2) if batch_size < 64 else (64, 4, 3)
+        return DecodeTiles(32, 4, 3) if batch_size == 1 else DecodeTiles(128, 4, 3, v_pairs=True)
+    return DecodeTiles(64, 4, 2) if batch_size < 64 else DecodeTiles(64, 4, 3)
 
 
 def paged_decode(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, indptr: torch.Tensor,
                  indices: torch.Tensor, last_page_len: torch.Tensor, page_size: int, sm_scale: float,
                  k_scale: float = 1.0, v_scale: float = 1.0, splits: int | None = None,
-                 tiles: tuple[int, int, int] | None = None) -> torch.Tensor:
+                 tiles: DecodeTiles | None = None) -> torch.Tensor:
     """q [B, Hq, D] (bf16/fp16) against the pool k_buf, v_buf [Hkv, slots, D] -> [B, Hq, D]; the
     pool in q's dtype or FP8 e4m3 with its K and V scales. tiles: decode_tiles' when None.
 
@@ -194,7 +233,15 @@ def paged_decode(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, indp
     contexts at ~2.2 TB/s. The query is scaled (sm_scale * k_scale * log2 e) before it is cast
     to fp16, so scores leave the dot scaled and a query would need |q| * scale > 65504 to
     overflow; fp16 holds e4m3 values exactly and keeps 3 more mantissa bits than bf16 for the
-    query and the probabilities. A bf16 or fp16 pool is read in its own dtype."""
+    query and the probabilities. A bf16 or fp16 pool is read in its own dtype.
+
+    With tiles.v_pairs an FP8 pool's V is read as 16-bit words, each two neighbouring e4m3 values,
+    and multiplied as two halves (even and odd columns). Read as bytes, V [tokens, D] feeds the
+    P.V product as its B operand with the reduced dimension (tokens) across rows, so Triton stages
+    it for 8-byte copies and gathers it from shared memory one byte at a time (128 ld.shared.b8 a
+    thread per 128-token tile); as 16-bit words it is copied 16 bytes at a time and transposed by
+    ldmatrix. On the H200 that took batch 256 x 2048 from ~340 to ~280-315 us a layer and batch
+    8 x 2048 from 25.0 to 16.4 (decode_tiles)."""
     if q.stride(-1) != 1:
         q = q.contiguous()
     batch, num_q_heads, head_dim = q.shape
@@ -205,6 +252,9 @@ def paged_decode(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, indp
         raise ValueError("paged_decode: the pool must be [Hkv, slots, D] with contiguous rows")
     group = num_q_heads // num_kv_heads
     tiles = tiles or decode_tiles(k_buf.dtype, batch)
+    v_pairs = tiles.v_pairs and k_buf.dtype == torch.float8_e4m3fn
+    if v_pairs and head_dim < 32:
+        raise ValueError(f"paged_decode: V pairs need head_dim >= 32, got {head_dim}")
     if splits is None:
         splits = decode_num_splits(batch, num_kv_heads, _sm_count(q.device.index or 0) if q.is_cuda else 1)
     out = torch.empty_like(q)
@@ -220,8 +270,9 @@ def paged_decode(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, indp
         q, k_buf, v_buf, indptr, indices, last_page_len, out, part_out, part_lse, q.stride(0), q.stride(1),
         k_buf.stride(0), v_buf.stride(0), out.stride(0), out.stride(1), sm_scale * k_scale * _LOG2E, v_scale,
         WIDEN_FP16=k_buf.dtype == torch.float8_e4m3fn, NUM_Q_HEADS=num_q_heads, GROUP=group,
-        BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, PAGE_SIZE=page_size, BLOCK_T=tiles[0],
-        NUM_SPLITS=splits, PDL=pdl, num_warps=tiles[1], num_stages=tiles[2], launch_pdl=pdl)
+        BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, PAGE_SIZE=page_size,
+        BLOCK_T=tiles.block_t, NUM_SPLITS=splits, V_PAIRS=v_pairs, PDL=pdl, num_warps=tiles.num_warps,
+        num_stages=tiles.num_stages, launch_pdl=pdl)
     if splits > 1:
         _merge_kernel[(batch, num_q_heads)](part_out, part_lse, out, out.stride(0), out.stride(1), v_scale,
                                            NUM_Q_HEADS=num_q_heads, HEAD_DIM=head_dim, NUM_SPLITS=splits, PDL=pdl,
