@@ -25,6 +25,9 @@ from radixlm.srt.executor.quantization import fp8_gemv, fp8_triton  # noqa: E402
 HOPPER = GPUTarget("cuda", 90, 32)
 FLOAT_ARGS = {"eps", "qk_scale", "v_scale", "inv_k_scale", "inv_v_scale"}
 
+FP8_DECODE_POINTERS = {"k_ptr": "*fp8e4nv", "v_ptr": "*fp8e4nv", "indptr_ptr": "*i32", "indices_ptr": "*i32",
+                       "last_len_ptr": "*i32", "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32"}
+
 # (kernel, pointer dtypes other than *bf16, constexprs, num_warps)
 CASES = [
     (triton_ops._rmsnorm_kernel, {}, {"HAS_RESIDUAL": True, "BLOCK": 4096, "PDL": True}, 4),
@@ -54,14 +57,10 @@ CASES = [
      {"FP8_MAX": 448.0, "EPS": 1e-12, "BLOCK": 16384}, 16),
     (fp8_triton._store_kv_fp8_kernel, {"slot_ptr": "*i64", "k_buf_ptr": "*fp8e4nv", "v_buf_ptr": "*fp8e4nv"},
      {"FP8_MAX": 448.0, "HEAD_DIM": 128, "PDL": True}, 4),
-    (triton_decode._decode_kernel, {"k_ptr": "*fp8e4nv", "v_ptr": "*fp8e4nv", "indptr_ptr": "*i32",
-                                    "indices_ptr": "*i32", "last_len_ptr": "*i32", "part_out_ptr": "*fp32",
-                                    "part_lse_ptr": "*fp32"},
+    (triton_decode._decode_kernel, FP8_DECODE_POINTERS,
      {"WIDEN_FP16": True, "NUM_Q_HEADS": 32, "GROUP": 4, "BLOCK_G": 16, "HEAD_DIM": 128, "PAGE_SIZE": 1,
       "BLOCK_T": 32, "NUM_SPLITS": 16, "V_PAIRS": False, "PDL": True}, 4),
-    (triton_decode._decode_kernel, {"k_ptr": "*fp8e4nv", "v_ptr": "*fp8e4nv", "indptr_ptr": "*i32",
-                                    "indices_ptr": "*i32", "last_len_ptr": "*i32", "part_out_ptr": "*fp32",
-                                    "part_lse_ptr": "*fp32"},
+    (triton_decode._decode_kernel, FP8_DECODE_POINTERS,
      {"WIDEN_FP16": True, "NUM_Q_HEADS": 32, "GROUP": 4, "BLOCK_G": 16, "HEAD_DIM": 128, "PAGE_SIZE": 1,
       "BLOCK_T": 128, "NUM_SPLITS": 1, "V_PAIRS": True, "PDL": True}, 4),
     (triton_decode._decode_kernel, {"indptr_ptr": "*i32", "indices_ptr": "*i32", "last_len_ptr": "*i32",
@@ -99,13 +98,17 @@ def _launch_hints(kernel) -> dict:
             if not param.is_constexpr and (param.name.endswith("_ptr") or param.name.startswith("stride"))}
 
 
+def _compile(kernel, pointers: dict[str, str], constexprs: dict, warps: int, stages: int = 3):
+    return triton.compile(ASTSource(kernel, _signature(kernel, pointers), constexprs, _launch_hints(kernel)),
+                          target=HOPPER, options={"num_warps": warps, "num_stages": stages,
+                                                  "launch_pdl": constexprs.get("PDL", False)})
+
+
 @pytest.mark.parametrize("kernel, pointers, constexprs, warps", CASES,
                          ids=[f"{c[0].__name__}-{i}" for i, c in enumerate(CASES)])
 def test_kernel_compiles_for_hopper(kernel, pointers, constexprs, warps):
     pdl = constexprs.get("PDL", False)
-    compiled = triton.compile(ASTSource(kernel, _signature(kernel, pointers), constexprs, _launch_hints(kernel)),
-                              target=HOPPER,
-                              options={"num_warps": warps, "num_stages": 3, "launch_pdl": pdl})
+    compiled = _compile(kernel, pointers, constexprs, warps)
     ptx = compiled.asm["ptx"]
     assert compiled.asm["cubin"]
     assert ("griddepcontrol.wait" in ptx and "griddepcontrol.launch_dependents" in ptx) == pdl
@@ -115,16 +118,12 @@ def test_fp8_decode_reads_v_pairs_without_byte_wise_shared_loads():
     """Over an FP8 pool the decode kernel reads V as 16-bit pairs so that it is copied 16 bytes at
     a time and transposed by ldmatrix; read as bytes it was gathered from shared memory one byte
     at a time (triton_decode.paged_decode), which held long contexts at ~3.2 TB/s on the H200."""
-    pointers = {"k_ptr": "*fp8e4nv", "v_ptr": "*fp8e4nv", "indptr_ptr": "*i32", "indices_ptr": "*i32",
-                "last_len_ptr": "*i32", "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32"}
-    kernel = triton_decode._decode_kernel
     tiles = triton_decode.decode_tiles(torch.float8_e4m3fn, 256)
     assert tiles.v_pairs
     constexprs = {"WIDEN_FP16": True, "NUM_Q_HEADS": 32, "GROUP": 4, "BLOCK_G": 16, "HEAD_DIM": 128, "PAGE_SIZE": 1,
                   "BLOCK_T": tiles.block_t, "NUM_SPLITS": 1, "V_PAIRS": True, "PDL": True}
-    ptx = triton.compile(ASTSource(kernel, _signature(kernel, pointers), constexprs, _launch_hints(kernel)),
-                         target=HOPPER, options={"num_warps": tiles.num_warps, "num_stages": tiles.num_stages,
-                                                 "launch_pdl": True}).asm["ptx"]
+    ptx = _compile(triton_decode._decode_kernel, FP8_DECODE_POINTERS, constexprs, tiles.num_warps,
+                   tiles.num_stages).asm["ptx"]
     assert "ld.shared.b8" not in ptx and "ldmatrix.sync.aligned.m8n8.x4.trans" in ptx
 
 

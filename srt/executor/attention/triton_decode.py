@@ -215,7 +215,8 @@ def decode_tiles(pool_dtype: torch.dtype, batch_size: int) -> DecodeTiles:
     bf16 (2026-12-01, 12 tiles x 3 split counts): each choice within 7% of the best at its sizes.
     FP8, V read in pairs (2026-12-01, 8 tiles): 128-token tiles, 3 stages, the best or within 2%
     at batch 8 x 2048, 64 and 256 (batch 8 x 256: 10.1 us against 8.6); at batch 1 the byte reads
-    are faster (5.3 / 7.9 us against 5.7 / 9.2 at 256 / 2048 tokens), with 32-token tiles."""
+    with 32-token tiles are faster (5.5 / 8.1 us against the pairs' best 5.7 / 9.2 at 256 / 2048
+    tokens)."""
     if pool_dtype == torch.float8_e4m3fn:
         return DecodeTiles(32, 4, 3) if batch_size == 1 else DecodeTiles(128, 4, 3, v_pairs=True)
     return DecodeTiles(64, 4, 2) if batch_size < 64 else DecodeTiles(64, 4, 3)
@@ -240,8 +241,8 @@ def paged_decode(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, indp
     P.V product as its B operand with the reduced dimension (tokens) across rows, so Triton stages
     it for 8-byte copies and gathers it from shared memory one byte at a time (128 ld.shared.b8 a
     thread per 128-token tile); as 16-bit words it is copied 16 bytes at a time and transposed by
-    ldmatrix. On the H200 that took batch 256 x 2048 from ~340 to ~280-315 us a layer and batch
-    8 x 2048 from 25.0 to 16.4 (decode_tiles)."""
+    ldmatrix. On the H200 that took batch 256 x 2048 from ~340 to 289 us a layer (repeats 281-321)
+    and batch 8 x 2048 from 25.0 to 16.3 (decode_tiles)."""
     if q.stride(-1) != 1:
         q = q.contiguous()
     batch, num_q_heads, head_dim = q.shape
