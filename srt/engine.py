@@ -42,6 +42,7 @@ class Engine:
             self.tokenizer = loaded.tokenizer
             self.model_config = loaded.config
             self.scheduler = Scheduler(loaded, args)
+            self.server_args = self.scheduler.args  # with the device's defaults filled in
             tp.barrier("ready")
             if self._ranks:
                 self._ranks.wait_ready()

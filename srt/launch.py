@@ -206,6 +206,7 @@ def _launch(args: ServerArgs, sock: Any, served_model_name: str | None, log_leve
     ready.close()
     ctx.term()
     stage(f"model loaded in {time.perf_counter() - started:.1f}s; warming up")
+    args = dataclasses.replace(args, **info["device_defaults"])
 
     model_name = served_model_name or (args.model_path or "default")
     tm = TokenizerManager(meta.tokenizer, meta.config, info["context_len"], children.addr("scheduler"),

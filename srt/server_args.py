@@ -21,6 +21,16 @@ def split_addr(addr: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
+# Settings whose default depends on the device (ServerArgs.with_device_defaults). On CUDA the
+# batch cap is cuda_graph_max_bs's default: decode batches past the largest graph run eagerly,
+# and the H200's offline workload ran slower with 1024 requests at once than with 512 (README,
+# "Serving on a GPU").
+DEVICE_DEFAULTS: dict[str, dict[str, int]] = {
+    "cpu": {"max_running_requests": 64, "chunked_prefill_size": 2048},
+    "cuda": {"max_running_requests": 512, "chunked_prefill_size": 8192},
+}
+
+
 @dataclass(frozen=True)
 class ServerArgs:
     model_path: str | None = _arg(None, "Hugging Face directory, hub id or .gguf file; unset: the embedded "
@@ -31,11 +41,13 @@ class ServerArgs:
     device: str = _arg("auto", "auto (cuda when available, else cpu) | cpu | cuda")
     context_length: int | None = _arg(None, "longest prompt + output in tokens; unset: the model's")
     max_total_tokens: int | None = _arg(None, "KV cache slots; unset: sized from memory")
-    max_running_requests: int = _arg(64, "requests decoded together at most")
+    max_running_requests: int | None = _arg(None, "requests decoded together at most; unset: 64 on CPU, 512 "
+                                                  "on CUDA (the largest decode batch replayed from a CUDA graph)")
     max_queued_requests: int = _arg(256, "requests waiting beyond the running ones at most; more get 429 "
                                          "with Retry-After")
     max_prefill_tokens: int = _arg(8192, "prompt tokens prefilled in one step at most")
-    chunked_prefill_size: int = _arg(2048, "a longer prompt is prefilled in chunks of this many tokens")
+    chunked_prefill_size: int | None = _arg(None, "a longer prompt is prefilled in chunks of this many tokens; "
+                                                  "unset: 2048 on CPU, 8192 on CUDA")
     page_size: int = _arg(1, "tokens per KV page")
     schedule_policy: str = _arg("lpm", "lpm (longest cached prefix first) | fcfs")
     disable_radix_cache: bool = _arg(False, "do not reuse cached prefixes")
@@ -98,8 +110,12 @@ class ServerArgs:
             raise ValueError("page_size: must be >= 1")
         if self.schedule_policy not in ("lpm", "fcfs"):
             raise ValueError("schedule_policy: must be 'lpm' or 'fcfs'")
-        if self.max_running_requests < 1:
+        if self.max_running_requests is not None and self.max_running_requests < 1:
             raise ValueError("max_running_requests: must be >= 1")
+        if self.chunked_prefill_size is not None and self.chunked_prefill_size < 1:
+            raise ValueError("chunked_prefill_size: must be >= 1")
+        if self.max_prefill_tokens < 1:
+            raise ValueError("max_prefill_tokens: must be >= 1")
         if self.load_format not in ("auto", "dummy", "gguf", "safetensors"):
             raise ValueError("load_format: must be auto, dummy, gguf or safetensors")
         if self.attention_backend not in ("auto", "torch_native", "flashinfer"):
@@ -210,6 +226,15 @@ class ServerArgs:
         import torch
 
         return "cuda" if torch.cuda.is_available() else "cpu"
+
+    def with_device_defaults(self) -> "ServerArgs":
+        """These settings with the device-dependent ones the user left unset filled in: a GPU
+        batches far more requests, and larger prefill chunks, than a CPU core pair can."""
+        unset = [name for name in DEVICE_DEFAULTS["cpu"] if getattr(self, name) is None]
+        if not unset:
+            return self
+        defaults = DEVICE_DEFAULTS[self.resolved_device()]
+        return dataclasses.replace(self, **{name: defaults[name] for name in unset})
 
     def resolved_dtype(self) -> "Any":
         import torch

@@ -17,7 +17,7 @@ def gpu_server(tmp_path_factory):
 
     config = small_llama_config(tmp_path_factory.mktemp("small-llama-server"))
     srv = ServerProcess("--model-path", config, "--load-format", "dummy", "--tokenizer-path", llama3_tokenizer_path(),
-                        "--max-total-tokens", "65536", "--max-running-requests", "32")
+                        "--max-total-tokens", "65536")  # the GPU's batch defaults, as a user gets them
     yield srv
     srv.stop()
 
@@ -46,6 +46,7 @@ def test_openai_client_completions_on_gpu(gpu_server):
     assert len("".join(chunk.choices[0].text for chunk in stream if chunk.choices)) > 0
     info = gpu_server.client().get("/get_server_info").json()
     assert info["kv"]["leaked"] == 0
+    assert (info["max_running_requests"], info["chunked_prefill_size"]) == (512, 8192)  # CUDA's defaults
 
 
 def test_aborted_stream_frees_its_memory_on_gpu(gpu_server):

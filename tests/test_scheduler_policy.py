@@ -146,6 +146,14 @@ def test_max_running_requests_caps_the_batch():
     assert_no_leak(sched)
 
 
+def test_unset_batch_settings_take_the_devices_defaults():
+    sched = make_scheduler(max_running_requests=None, chunked_prefill_size=None)
+    assert (sched.args.max_running_requests, sched.args.chunked_prefill_size) == (64, 2048)
+    assert sched.req_table.available_size == 64
+    gpu = ServerArgs(device="cuda", chunked_prefill_size=4096).with_device_defaults()
+    assert (gpu.max_running_requests, gpu.chunked_prefill_size) == (512, 4096)  # what was given stays
+
+
 def test_a_long_prompt_is_prefilled_in_chunks():
     sched = make_scheduler(chunked_prefill_size=16, max_prefill_tokens=16)
     req = make_req("long", 50, max_new_tokens=3)

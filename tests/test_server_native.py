@@ -101,6 +101,8 @@ def test_info_endpoints(server):
         assert c.get("/get_model_info").json()["context_length"] == 8192
         info = c.get("/get_server_info").json()
         assert info["kv"]["leaked"] == 0 and "api_key" not in info
+        # Settings left unset are reported as the scheduler filled them in for its device.
+        assert info["max_running_requests"] == 64 and info["chunked_prefill_size"] == 2048
         assert c.get("/health_generate").status_code == 200
         metrics = c.get("/metrics").text
         for name in ("radixlm_num_running_reqs", "radixlm_kv_usage", "radixlm_cache_hit_rate",

@@ -64,6 +64,7 @@ def _start(args: ServerArgs, rank: int, local_rank: int, dist_addr: str):
     from radixlm.srt.scheduler.kv_memory import PageAllocator
 
     device = parallel.prepare_rank(args, local_rank)
+    args = args.with_device_defaults()  # as rank 0's Scheduler does: the same table rows
     loaded = load_model(args.model_path, dtype=args.resolved_dtype(), load_format=args.load_format,
                         tokenizer_path=args.tokenizer_path, device=device, tensor_parallel=(rank, args.tp_size))
     tp = parallel.init_tensor_parallel(args, rank, local_rank, dist_addr)

@@ -12,7 +12,7 @@ import socket
 import sys
 from dataclasses import dataclass, field
 from types import FrameType
-from typing import Any, Awaitable, Callable
+from typing import Awaitable, Callable
 
 import httpx
 import uvicorn

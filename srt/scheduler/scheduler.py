@@ -47,7 +47,7 @@ class Scheduler:
     def __init__(self, loaded, args: ServerArgs, engine_factory: Callable[..., StepEngine] | None = None):
         if engine_factory is None:
             from radixlm.srt.executor.device_engine import DeviceEngine as engine_factory
-        self.args = args
+        self.args = args = args.with_device_defaults()
         self.config = loaded.config
         self.tokenizer = loaded.tokenizer
         self.context_len = args.context_length or self.config.context_len
