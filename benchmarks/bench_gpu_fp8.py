@@ -11,6 +11,9 @@ call should fit in a few minutes):
   offline     bench_gpu_llama8b's 1000-request workload with FP8 weights vs bf16 weights (both
               measured here); vLLM's recorded FP8 figure printed as recorded (goal >= 1.1x)
   offline_kv  the same workload, FP8 weights + FP8 KV vs FP8 weights + bf16 KV (goal >= 1.15x)
+  decode_profile  decode steps of the offline workload's size (384 requests, 1024 cached tokens
+              each), FP8 KV vs bf16 KV (FP8 weights): ms per step, the attention kernel's
+              share and bandwidth, the kernels of each
   accuracy    the real default model (--gguf PATH, SmolLM2-135M): FP8 vs bf16 greedy agreement
               on 64 prompts x 32 tokens and the mean |d logprob| of the bf16 model's tokens
 
@@ -26,18 +29,16 @@ Run on the H200 (see README, "GPU"), e.g.:
 from __future__ import annotations
 
 import argparse
-import gc
 import random
 import shlex
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_gpu_llama8b import (CONFIG, TOKENIZERS, Reporter, StepTimer, _layer_params,  # noqa: E402
-                               measure_bandwidth, offline_workload, profile, random_prompts, timed)
+from bench_gpu_llama8b import (CONFIG, TOKENIZERS, Reporter, _layer_params, free_engine,  # noqa: E402
+                               measure_bandwidth, offline_workload, profile, random_prompts, run_offline, timed)
 
 # vLLM's FP8 figures: NOT measured in this run (recorded on this project's H200 machine).
 VLLM_FP8_RECORDED = {"decode_ms_per_token": 3.478, "offline_seconds": 32.58, "offline_output_tok_s": 7951.0,
@@ -45,7 +46,7 @@ VLLM_FP8_RECORDED = {"decode_ms_per_token": 3.478, "offline_seconds": 32.58, "of
                      "kv_cache": "bf16", "machine": "1x NVIDIA H200 (this project's GPU machine)",
                      "source": "issue 13", "measured_in_this_run": False}
 
-SUITES = ("decode", "prefill", "offline", "offline_kv", "accuracy")
+SUITES = ("decode", "prefill", "offline", "offline_kv", "accuracy", "decode_profile")
 
 
 class FP8Reporter(Reporter):
@@ -63,12 +64,6 @@ class FP8Reporter(Reporter):
             Path(self.out).parent.mkdir(parents=True, exist_ok=True)
             with open(self.out, "a") as f:
                 f.write(text + "\n")
-
-
-def free_engine(engine) -> None:
-    engine.shutdown()
-    gc.collect()
-    torch.cuda.empty_cache()
 
 
 # ---- decode ------------------------------------------------------------------------------------
@@ -180,6 +175,7 @@ def bench_prefill(make_engine, rep: Reporter) -> None:
 
     run()
     seconds = timed(run, 3)
+    profile(run, "fp8 prefill, 8 x 2048 tokens", rows=25)
     # The same prefill with the norms and SiLU-and-mul leaving quantization to its own kernel.
     fp8_module.set_fused_quantization(False)
     try:
@@ -204,28 +200,6 @@ def bench_prefill(make_engine, rep: Reporter) -> None:
 # ---- offline -----------------------------------------------------------------------------------
 
 
-def run_offline(engine, prompts, out_lens) -> dict:
-    """Seconds for the whole workload in one generate call (after a 16-request warm-up), with
-    the device time split by step kind."""
-    params = [{"temperature": 0, "max_new_tokens": m, "ignore_eos": True} for m in out_lens]
-    engine.generate(input_ids=prompts[:16], sampling_params=params[:16])
-    engine.flush_cache()
-    timer = StepTimer(engine.scheduler.engine.runner)
-    start = time.perf_counter()
-    outs = engine.generate(input_ids=prompts, sampling_params=params)
-    seconds = time.perf_counter() - start
-    device_s, steps = timer.split()
-    del engine.scheduler.engine.runner.forward  # back to the class method
-    assert sum(o["meta_info"]["completion_tokens"] for o in outs) == sum(out_lens)
-    out_tokens, in_tokens = sum(out_lens), sum(len(p) for p in prompts)
-    return {"seconds": round(seconds, 2), "output_tok_s": round(out_tokens / seconds, 1),
-            "total_tok_s": round((out_tokens + in_tokens) / seconds, 1),
-            "split_s": {"extend_forward_device": round(device_s["extend"], 2),
-                        "decode_forward_device": round(device_s["decode"], 2),
-                        "sampling_and_device_idle": round(seconds - sum(device_s.values()), 2)},
-            "steps": steps, "kv_tokens": engine.scheduler.allocator.capacity}
-
-
 def bench_offline_pair(make_engine, rep: Reporter, prompts, out_lens, bench: str, runs, goal: str) -> None:
     """runs: ((name, engine kwargs) of the measured system, (name, kwargs) of its baseline)."""
     results = {}
@@ -242,6 +216,50 @@ def bench_offline_pair(make_engine, rep: Reporter, prompts, out_lens, bench: str
                     ratio_vs_vllm_fp8_recorded=round(results[name]["output_tok_s"]
                                                      / VLLM_FP8_RECORDED["offline_output_tok_s"], 3))
     rep.emit(line)
+
+
+# ---- a decode step of the offline workload's size ------------------------------------------------
+
+
+def bench_decode_profile(make_engine, rep: Reporter, batch: int = 384, prompt_len: int = 1024,
+                         steps: int = 16) -> None:
+    """FP8 KV against bf16 KV (FP8 weights both) on decode steps of the offline workload's size
+    (~350 running requests, ~1.1k tokens of context): `batch` prompts of `prompt_len` tokens are
+    prefilled into the cache once, then each measured call extends each by one token and decodes
+    `steps` more. Device ms per decode step, and the decode attention kernel's share and
+    bandwidth from a profile of one call (whose kernel table the log shows)."""
+    from bench_gpu_llama8b import StepTimer
+
+    prompts = random_prompts(random.Random(3), [prompt_len] * batch)
+    params = {"temperature": 0, "max_new_tokens": steps + 1, "ignore_eos": True}
+    results = {}
+    for name, kwargs in (("fp8 weights + bf16 KV", {}), ("fp8 weights + fp8_e4m3 KV", {"kv_cache_dtype": "fp8_e4m3"})):
+        engine = make_engine(quantization="fp8", **kwargs)
+        config = engine.model_config
+        engine.generate(input_ids=prompts, sampling_params={**params, "max_new_tokens": 1})  # the prompts' KV
+        engine.generate(input_ids=prompts, sampling_params=params)  # warm-up at this batch
+        timer = StepTimer(engine.scheduler.engine.runner)
+        engine.generate(input_ids=prompts, sampling_params=params)
+        device_s, step_count = timer.split()
+        del engine.scheduler.engine.runner.forward, timer  # the timer holds the runner and its memory
+        kernels = profile(lambda: engine.generate(input_ids=prompts, sampling_params=params),
+                          f"{name}: {batch} requests x {steps + 1} tokens after {prompt_len} cached", rows=30)
+        attention = next(k for k in kernels if k.key == "_decode_kernel")
+        attention_us = getattr(attention, "self_device_time_total", None) or attention.self_cuda_time_total
+        layer_us = attention_us / attention.count
+        token_kv_bytes = 2 * config.num_kv_heads * config.head_dim * (1 if kwargs else 2)  # K and V, one layer
+        layer_kv_bytes = batch * (prompt_len + 1 + steps / 2) * token_kv_bytes
+        step_ms = device_s["decode"] / step_count["decode"] * 1e3
+        results[name] = {"decode_ms_per_step": round(step_ms, 3),
+                         "attention_us_per_layer": round(layer_us, 1),
+                         "attention_tb_s": round(layer_kv_bytes / layer_us / 1e6, 3),
+                         "attention_share_of_step": round(layer_us * config.num_layers / 1e3 / step_ms, 3)}
+        free_engine(engine)
+    fp8, bf16 = results["fp8 weights + fp8_e4m3 KV"], results["fp8 weights + bf16 KV"]
+    rep.emit({"bench": "gpu_fp8_decode_step", "batch": batch, "cached_tokens": prompt_len, "decode_steps": steps,
+              "system": "fp8 weights + fp8_e4m3 KV", **fp8,
+              "baseline": "fp8 weights + bf16 KV, measured in this run", "baseline_result": bf16,
+              "speedup_vs_baseline": round(bf16["decode_ms_per_step"] / fp8["decode_ms_per_step"], 3)})
 
 
 # ---- accuracy on the real default model --------------------------------------------------------
@@ -354,6 +372,8 @@ def main() -> None:
             bench_offline_pair(make_engine, rep, prompts, out_lens, "gpu_fp8_offline_kv",
                                (("fp8 weights + fp8_e4m3 KV", {"quantization": "fp8", "kv_cache_dtype": "fp8_e4m3"}),
                                 ("fp8 weights + bf16 KV", {"quantization": "fp8"})), ">= 1.15x over bf16 KV")
+    if "decode_profile" in suites:
+        bench_decode_profile(make_engine, rep)
     if "accuracy" in suites:
         bench_accuracy(rep, args.gguf, args.accuracy_prompts, args.accuracy_tokens)
 

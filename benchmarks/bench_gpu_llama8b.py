@@ -11,6 +11,8 @@ run (a ceiling measured here, HF `generate`, a feature turned off); start-up tim
            radix cache turned off as the in-run baseline
   constrained  64 JSON-schema requests: jump-forward on vs off, vs unconstrained decoding
   serve_ready  `radixlm serve` process start to /health and to a first /generate
+  defaults  the offline workload with no batch flags (the GPU's defaults) vs the CPU-sized
+           defaults used before (64 requests, 2048-token chunks) and vs 1024 requests at once
   (always) Engine construction time (load, graphs)
 
 vLLM is not run here. Its figures (decode, offline, shared_prefix, start to ready) are recorded
@@ -25,6 +27,7 @@ Run on the H200 (see README, "GPU"):
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import random
 import shlex
@@ -153,8 +156,9 @@ def host_profile(fn, title: str, rows: int = 25) -> None:
     pstats.Stats(prof, stream=sys.stdout).sort_stats("tottime").print_stats(rows)
 
 
-def profile(fn, title: str, rows: int = 18) -> None:
-    """Prints the kernels that take the GPU time (and the host-side ops) for one call of `fn`."""
+def profile(fn, title: str, rows: int = 18):
+    """Prints the kernels that take the GPU time (and the host-side ops) for one call of `fn`;
+    returns the profiler's per-name averages."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
@@ -162,7 +166,9 @@ def profile(fn, title: str, rows: int = 18) -> None:
         fn()
         torch.cuda.synchronize()
     print(f"# profile: {title}", flush=True)
-    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=rows, max_name_column_width=60), flush=True)
+    averages = prof.key_averages()
+    print(averages.table(sort_by="cuda_time_total", row_limit=rows, max_name_column_width=60), flush=True)
+    return averages
 
 
 def bench_prefill(engine, rep: Reporter, config, peak_tflops: float) -> None:
@@ -317,6 +323,60 @@ def bench_offline(engine, rep: Reporter, prompts, out_lens, hf_tok_s: float | No
     del engine.scheduler.engine.runner.forward  # back to the class method (no runner -> runner cycle)
 
 
+def free_engine(engine) -> None:
+    engine.shutdown()
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def run_offline(engine, prompts, out_lens) -> dict:
+    """Seconds for the whole workload in one generate call (after a 16-request warm-up), with
+    the device time split by step kind."""
+    params = [{"temperature": 0, "max_new_tokens": m, "ignore_eos": True} for m in out_lens]
+    engine.generate(input_ids=prompts[:16], sampling_params=params[:16])
+    engine.flush_cache()
+    timer = StepTimer(engine.scheduler.engine.runner)
+    start = time.perf_counter()
+    outs = engine.generate(input_ids=prompts, sampling_params=params)
+    seconds = time.perf_counter() - start
+    device_s, steps = timer.split()
+    del engine.scheduler.engine.runner.forward  # back to the class method
+    assert sum(o["meta_info"]["completion_tokens"] for o in outs) == sum(out_lens)
+    out_tokens, in_tokens = sum(out_lens), sum(len(p) for p in prompts)
+    return {"seconds": round(seconds, 2), "output_tok_s": round(out_tokens / seconds, 1),
+            "total_tok_s": round((out_tokens + in_tokens) / seconds, 1),
+            "split_s": {"extend_forward_device": round(device_s["extend"], 2),
+                        "decode_forward_device": round(device_s["decode"], 2),
+                        "sampling_and_device_idle": round(seconds - sum(device_s.values()), 2)},
+            "steps": steps, "kv_tokens": engine.scheduler.allocator.capacity}
+
+
+def bench_defaults(rep: Reporter, tokenizer: str, prompts, out_lens) -> None:
+    """The offline workload on an Engine given no batch settings (what `radixlm serve` gets on
+    this GPU: ServerArgs.with_device_defaults) against the CPU-sized defaults every device had
+    before (64 requests, 2048-token chunks), and against vLLM's batch cap on such GPUs (1024)."""
+    from radixlm.srt import Engine
+
+    runs = (("device defaults", {}), ("previous defaults", {"max_running_requests": 64, "chunked_prefill_size": 2048}),
+            ("1024 requests", {"max_running_requests": 1024}))
+    results = {}
+    for name, kwargs in runs:
+        engine = Engine(str(CONFIG), load_format="dummy", tokenizer_path=tokenizer, **kwargs)
+        settings = {k: getattr(engine.server_args, k) for k in ("max_running_requests", "chunked_prefill_size",
+                                                                 "max_prefill_tokens", "cuda_graph_max_bs")}
+        results[name] = {"settings": settings, **run_offline(engine, prompts, out_lens)}
+        free_engine(engine)
+    base = results["previous defaults"]
+    vllm_tok_s, record = vllm_recorded("offline_output_tok_s")
+    rep.emit({"bench": "gpu_offline_defaults", "requests": len(prompts), "system": "device defaults",
+              **results["device defaults"], "baseline": "previous defaults, same workload, measured in this run",
+              "baseline_result": base,
+              "speedup_vs_baseline": round(base["seconds"] / results["device defaults"]["seconds"], 3),
+              "max_running_1024": results["1024 requests"],
+              "vllm_recorded": record,
+              "ratio_vs_vllm_recorded": round(results["device defaults"]["output_tok_s"] / vllm_tok_s, 3)})
+
+
 def shared_prefix_workload(num_groups: int, per_group: int = 16, prefix_len: int = 2048, unique_len: int = 256,
                            seed: int = 3) -> list[list[int]]:
     rng = random.Random(seed)
@@ -331,7 +391,6 @@ def shared_prefix_workload(num_groups: int, per_group: int = 16, prefix_len: int
 def bench_shared_prefix(make_engine, rep: Reporter, num_groups: int, baseline_groups: int) -> None:
     """64 groups x 16 prompts sharing 2048 tokens (+256 unique, 128 out), shuffled; the same
     workload (fewer groups, to save time; a rate is compared) with the radix cache off."""
-    import gc
 
     out_len = 128
     params = {"temperature": 0, "max_new_tokens": out_len, "ignore_eos": True}
@@ -495,8 +554,11 @@ def main() -> None:
     if "serve_ready" in suites:
         bench_serve_ready(rep, tokenizer)
         suites.discard("serve_ready")
-        if not suites:
-            return
+    if "defaults" in suites:
+        bench_defaults(rep, tokenizer, prompts, out_lens)
+        suites.discard("defaults")
+    if not suites:
+        return
     if suites == {"shared_prefix"}:
         bench_shared_prefix(make_engine, rep, args.shared_prefix_groups, args.shared_prefix_baseline_groups)
         return
