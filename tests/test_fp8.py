@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from model_helpers import extend_logits
+from triton_interpreter import run_in_interpreter
 from radixlm.srt.executor.mem_pool import KVPool, read_kv, to_fp8
 from radixlm.srt.executor.quantization import fp8
 from radixlm.srt.executor.quantization.fp8 import Fp8Linear, quantize_per_token_torch
@@ -209,15 +210,7 @@ def test_fp8_gemv_kernel_in_the_triton_interpreter():
     """The decode-sized FP8 kernel (its GPU speed is benchmarks/bench_gpu_fp8_gemv.py's) computes
     x @ dequantized(W)^T: ragged N and K, split-K or not, in Triton's CPU interpreter. fp16, since
     the interpreter multiplies bf16 as raw bits."""
-    import os
-    import subprocess
-    import sys
-
-    pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    done = subprocess.run([sys.executable, "-c", GEMV_CHECK], env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert float(done.stdout.strip().splitlines()[-1]) < 2e-3  # fp16 output rounding
+    assert float(run_in_interpreter(GEMV_CHECK)) < 2e-3  # fp16 output rounding
 
 
 FP8_DECODE_CHECK = """
@@ -264,16 +257,7 @@ def test_paged_decode_kernel_in_the_triton_interpreter():
     of 1, 3 and 4, one to eight splits (with empty ones past a short request's end), K and V
     scales, V read as bytes or as pairs; and an fp16 pool, read without widening; fp16 queries,
     as the interpreter multiplies bf16 as raw bits."""
-    import os
-    import subprocess
-    import sys
-
-    pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    done = subprocess.run([sys.executable, "-c", FP8_DECODE_CHECK], env=env, capture_output=True, text=True,
-                          timeout=300)
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert float(done.stdout.strip().splitlines()[-1]) < 2e-3  # fp16 probabilities and output
+    assert float(run_in_interpreter(FP8_DECODE_CHECK)) < 2e-3  # fp16 probabilities and output
 
 
 FUSED_QUANT_CHECK = """
@@ -306,16 +290,7 @@ def test_fused_norm_and_activation_quantization_in_the_triton_interpreter():
     """At prefill sizes the RMSNorm (with its residual add) and SiLU-and-mul before an FP8
     projection write e4m3 themselves: the same bytes and scales as the op followed by the
     separate quantization kernel, and the same residual stream."""
-    import os
-    import subprocess
-    import sys
-
-    pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    done = subprocess.run([sys.executable, "-c", FUSED_QUANT_CHECK], env=env, capture_output=True, text=True,
-                          timeout=300)
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert done.stdout.strip().splitlines()[-1] == "True"
+    assert run_in_interpreter(FUSED_QUANT_CHECK) == "True"
 
 
 def test_wrong_scales_are_caught_on_random_matrices():
