@@ -83,7 +83,7 @@ def _children_of(srv: ServerProcess) -> list[int]:
 
 
 def test_sigterm_drains_finishes_short_requests_and_fails_the_rest():
-    srv = ServerProcess("--max-total-tokens", "8192", "--graceful-shutdown-timeout", "15")
+    srv = ServerProcess("--max-total-tokens", "8192", "--graceful-shutdown-timeout", "6")
 
     async def run():
         async with httpx.AsyncClient(base_url=srv.base_url, timeout=120) as c:

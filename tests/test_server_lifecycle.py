@@ -16,8 +16,8 @@ from server_helpers import ServerProcess, pid_alive
 
 @pytest.fixture(scope="module")
 def small_server():
-    """Little KV (600 slots) and an API key: queueing, retraction and auth are all exercised."""
-    srv = ServerProcess("--max-total-tokens", "600", "--max-running-requests", "8",
+    """Little KV (400 slots) and an API key: queueing, retraction and auth are all exercised."""
+    srv = ServerProcess("--max-total-tokens", "400", "--max-running-requests", "8",
                         "--chunked-prefill-size", "64", api_key="test-secret")
     yield srv
     srv.stop()
@@ -36,10 +36,10 @@ def test_api_key_required_except_health(small_server):
 
 
 def test_more_work_than_kv_completes_through_queueing_and_retraction(small_server):
-    """8 requests need ~8 x 130 tokens of KV but only 600 slots exist; greedy outputs must equal
+    """8 requests need ~8 x 80 tokens of KV but only 400 slots exist; greedy outputs must equal
     each request run alone."""
     prompts = [f"Request {i}: list the numbers from one to forty in words, separated by commas:" for i in range(8)]
-    params = {"temperature": 0, "max_new_tokens": 100, "ignore_eos": True}
+    params = {"temperature": 0, "max_new_tokens": 60, "ignore_eos": True}
     with small_server.client(timeout=600) as c:
         solo = [c.post("/generate", json={"text": p, "sampling_params": params}).json()["output_ids"] for p in prompts[:2]]
 
@@ -49,7 +49,7 @@ def test_more_work_than_kv_completes_through_queueing_and_retraction(small_serve
                                           for p in prompts))
 
     results = [r.json() for r in asyncio.run(run())]
-    assert all(r["meta_info"]["completion_tokens"] == 100 for r in results)
+    assert all(r["meta_info"]["completion_tokens"] == 60 for r in results)
     assert [r["output_ids"] for r in results[:2]] == solo
     with small_server.client() as c:
         kv = c.get("/get_server_info").json()["kv"]
