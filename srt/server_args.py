@@ -24,7 +24,7 @@ def split_addr(addr: str) -> tuple[str, int]:
 # Settings whose default depends on the device (ServerArgs.with_device_defaults). On CUDA the
 # batch cap is cuda_graph_max_bs's default: decode batches past the largest graph run eagerly,
 # and the H200's offline workload ran slower with 1024 requests at once than with 512 (README,
-# "Serving on a GPU").
+# "GPU").
 DEVICE_DEFAULTS: dict[str, dict[str, int]] = {
     "cpu": {"max_running_requests": 64, "chunked_prefill_size": 2048},
     "cuda": {"max_running_requests": 512, "chunked_prefill_size": 8192},
