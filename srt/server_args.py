@@ -233,7 +233,8 @@ class ServerArgs:
         unset = [name for name in DEVICE_DEFAULTS["cpu"] if getattr(self, name) is None]
         if not unset:
             return self
-        defaults = DEVICE_DEFAULTS[self.resolved_device()]
+        kind = self.resolved_device().split(":")[0]  # "cuda:1" is a CUDA device
+        defaults = DEVICE_DEFAULTS.get(kind, DEVICE_DEFAULTS["cpu"])
         return dataclasses.replace(self, **{name: defaults[name] for name in unset})
 
     def resolved_dtype(self) -> "Any":

@@ -150,7 +150,7 @@ def test_unset_batch_settings_take_the_devices_defaults():
     sched = make_scheduler(max_running_requests=None, chunked_prefill_size=None)
     assert (sched.args.max_running_requests, sched.args.chunked_prefill_size) == (64, 2048)
     assert sched.req_table.available_size == 64
-    gpu = ServerArgs(device="cuda", chunked_prefill_size=4096).with_device_defaults()
+    gpu = ServerArgs(device="cuda:1", chunked_prefill_size=4096).with_device_defaults()
     assert (gpu.max_running_requests, gpu.chunked_prefill_size) == (512, 4096)  # what was given stays
 
 
