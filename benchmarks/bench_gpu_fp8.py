@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_gpu_llama8b import (CONFIG, TOKENIZERS, Reporter, _layer_params, free_engine,  # noqa: E402
+from bench_gpu_llama8b import (CONFIG, TOKENIZERS, Reporter, StepTimer, _layer_params, free_engine,  # noqa: E402
                                measure_bandwidth, offline_workload, profile, random_prompts, run_offline, timed)
 
 # vLLM's FP8 figures: NOT measured in this run (recorded on this project's H200 machine).
@@ -228,8 +228,6 @@ def bench_decode_profile(make_engine, rep: Reporter, batch: int = 384, prompt_le
     prefilled into the cache once, then each measured call extends each by one token and decodes
     `steps` more. Device ms per decode step, and the decode attention kernel's share and
     bandwidth from a profile of one call (whose kernel table the log shows)."""
-    from bench_gpu_llama8b import StepTimer
-
     prompts = random_prompts(random.Random(3), [prompt_len] * batch)
     params = {"temperature": 0, "max_new_tokens": steps + 1, "ignore_eos": True}
     results = {}
@@ -245,8 +243,7 @@ def bench_decode_profile(make_engine, rep: Reporter, batch: int = 384, prompt_le
         kernels = profile(lambda: engine.generate(input_ids=prompts, sampling_params=params),
                           f"{name}: {batch} requests x {steps + 1} tokens after {prompt_len} cached", rows=30)
         attention = next(k for k in kernels if k.key == "_decode_kernel")
-        attention_us = getattr(attention, "self_device_time_total", None) or attention.self_cuda_time_total
-        layer_us = attention_us / attention.count
+        layer_us = attention.self_device_time_total / attention.count
         token_kv_bytes = 2 * config.num_kv_heads * config.head_dim * (1 if kwargs else 2)  # K and V, one layer
         layer_kv_bytes = batch * (prompt_len + 1 + steps / 2) * token_kv_bytes
         step_ms = device_s["decode"] / step_count["decode"] * 1e3

@@ -29,6 +29,7 @@ DEVICE_DEFAULTS: dict[str, dict[str, int]] = {
     "cpu": {"max_running_requests": 64, "chunked_prefill_size": 2048},
     "cuda": {"max_running_requests": 512, "chunked_prefill_size": 8192},
 }
+DEVICE_DEPENDENT_FIELDS = tuple(DEVICE_DEFAULTS["cpu"])
 
 
 @dataclass(frozen=True)
@@ -230,7 +231,7 @@ class ServerArgs:
     def with_device_defaults(self) -> "ServerArgs":
         """These settings with the device-dependent ones the user left unset filled in: a GPU
         batches far more requests, and larger prefill chunks, than a CPU core pair can."""
-        unset = [name for name in DEVICE_DEFAULTS["cpu"] if getattr(self, name) is None]
+        unset = [name for name in DEVICE_DEPENDENT_FIELDS if getattr(self, name) is None]
         if not unset:
             return self
         kind = self.resolved_device().split(":")[0]  # "cuda:1" is a CUDA device

@@ -18,7 +18,7 @@ from radixlm.srt.io_struct import (AbortReq, BatchTokenOut, ControlReply, Contro
 from radixlm.srt.scheduler.request import FinishReason, Req
 from radixlm.srt.sampling_params import SamplingParams
 from radixlm.srt.scheduler.scheduler import Scheduler
-from radixlm.srt.server_args import DEVICE_DEFAULTS, ServerArgs
+from radixlm.srt.server_args import DEVICE_DEPENDENT_FIELDS, ServerArgs
 from radixlm.srt.process_utils import exit_when_parent_dies
 
 logger = logging.getLogger(__name__)
@@ -209,7 +209,7 @@ def run_scheduler_process(server_args: dict[str, Any], recv_addr: str, send_addr
     ready.send(io_struct.encode(ReadySignal("scheduler", True, info={
         "max_total_tokens": scheduler.allocator.capacity, "context_len": scheduler.context_len,
         # the settings the scheduler filled in for its device, for the HTTP side's admission and reports
-        "device_defaults": {name: getattr(scheduler.args, name) for name in DEVICE_DEFAULTS["cpu"]}})))
+        "device_defaults": {name: getattr(scheduler.args, name) for name in DEVICE_DEPENDENT_FIELDS}})))
     ready.close()
     try:
         SchedulerLoop(scheduler, recv, send, fatal_step_errors=sender is not None).run_forever()
