@@ -59,14 +59,14 @@ CASES = [
      {"FP8_MAX": 448.0, "HEAD_DIM": 128, "PDL": True}, 4),
     (triton_decode._decode_kernel, FP8_DECODE_POINTERS,
      {"WIDEN_FP16": True, "NUM_Q_HEADS": 32, "GROUP": 4, "BLOCK_G": 16, "HEAD_DIM": 128, "PAGE_SIZE": 1,
-      "BLOCK_T": 32, "NUM_SPLITS": 16, "V_PAIRS": False, "PDL": True}, 4),
+      "BLOCK_T": 32, "NUM_SPLITS": 16, "V_PAIRS": False, "PTX": True, "PDL": True}, 4),
     (triton_decode._decode_kernel, FP8_DECODE_POINTERS,
      {"WIDEN_FP16": True, "NUM_Q_HEADS": 32, "GROUP": 4, "BLOCK_G": 16, "HEAD_DIM": 128, "PAGE_SIZE": 1,
-      "BLOCK_T": 128, "NUM_SPLITS": 1, "V_PAIRS": True, "PDL": True}, 4),
+      "BLOCK_T": 128, "NUM_SPLITS": 1, "V_PAIRS": True, "PTX": True, "PDL": True}, 4),
     (triton_decode._decode_kernel, {"indptr_ptr": "*i32", "indices_ptr": "*i32", "last_len_ptr": "*i32",
                                     "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32"},
      {"WIDEN_FP16": False, "NUM_Q_HEADS": 32, "GROUP": 4, "BLOCK_G": 16, "HEAD_DIM": 128, "PAGE_SIZE": 16,
-      "BLOCK_T": 64, "NUM_SPLITS": 1, "V_PAIRS": False, "PDL": True}, 4),
+      "BLOCK_T": 64, "NUM_SPLITS": 1, "V_PAIRS": False, "PTX": True, "PDL": True}, 4),
     (triton_decode._merge_kernel, {"part_out_ptr": "*fp32", "part_lse_ptr": "*fp32"},
      {"NUM_Q_HEADS": 32, "HEAD_DIM": 128, "NUM_SPLITS": 16, "PDL": True}, 4),
     (moe_triton._grouped_gemm_kernel, {"pair_ptr": "*i32", "expert_ptr": "*i32", "weight_ptr": "*fp32"},
@@ -121,10 +121,12 @@ def test_fp8_decode_reads_v_pairs_without_byte_wise_shared_loads():
     tiles = triton_decode.decode_tiles(torch.float8_e4m3fn, 256)
     assert tiles.v_pairs
     constexprs = {"WIDEN_FP16": True, "NUM_Q_HEADS": 32, "GROUP": 4, "BLOCK_G": 16, "HEAD_DIM": 128, "PAGE_SIZE": 1,
-                  "BLOCK_T": tiles.block_t, "NUM_SPLITS": 1, "V_PAIRS": True, "PDL": True}
+                  "BLOCK_T": tiles.block_t, "NUM_SPLITS": 1, "V_PAIRS": True, "PTX": True, "PDL": True}
     ptx = _compile(triton_decode._decode_kernel, FP8_DECODE_POINTERS, constexprs, tiles.num_warps,
                    tiles.num_stages).asm["ptx"]
     assert "ld.shared.b8" not in ptx and "ldmatrix.sync.aligned.m8n8.x4.trans" in ptx
+    # each pair of words is widened by one byte permute and one cvt (_e4m3_pair_half_to_fp16)
+    assert "prmt.b32 t, " in ptx and "cvt.rn.f16x2.e4m3x2 " in ptx
 
 
 def test_every_kernel_is_covered():
