@@ -6,8 +6,8 @@ from a CUDA graph (benchmarks/bench_gpu_decode_attention.py --triton-sweep, 2026
 decode_tiles' tiles this kernel takes 5.7-8.2 us a layer at batch 1 (FlashInfer 9.6-12.1),
 20.5 at batch 64 x 256 tokens (32.2) and 483.4 at 256 x 2048 (507.1; 4.4 TB/s); over an FP8
 pool, which FlashInfer 0.6.11 reads no faster than bf16 (477.2 us at 256 x 2048), it takes
-289.3 (3.7 TB/s; 340.6 before V was read in pairs, paged_decode) and 16.3 at batch 8 x 2048
-(FlashInfer 25.1). Decode attention only has to stream each request's K and V once: the kernel
+258.1 (4.2 TB/s, 2026-12-02; 289.3 before V's pairs were widened by PTX, 340.6 before V was read
+in pairs, paged_decode) and 16.6 at batch 8 x 2048 (FlashInfer 25.1). Decode attention only has to stream each request's K and V once: the kernel
 reads the pool's bytes, widens FP8 in registers and runs the two small products on tensor cores.
 
 One program per (request, KV head, split of the sequence): the KV head's whole query group
