@@ -7,8 +7,9 @@ decode_tiles' tiles this kernel takes 5.7-8.2 us a layer at batch 1 (FlashInfer 
 20.5 at batch 64 x 256 tokens (32.2) and 483.4 at 256 x 2048 (507.1; 4.4 TB/s); over an FP8
 pool, which FlashInfer 0.6.11 reads no faster than bf16 (477.2 us at 256 x 2048), it takes
 258.1 (4.2 TB/s, 2026-12-02; 289.3 before V's pairs were widened by PTX, 340.6 before V was read
-in pairs, paged_decode) and 16.6 at batch 8 x 2048 (FlashInfer 25.1). Decode attention only has to stream each request's K and V once: the kernel
-reads the pool's bytes, widens FP8 in registers and runs the two small products on tensor cores.
+in pairs, paged_decode) and 16.6 at batch 8 x 2048 (FlashInfer 25.1). Decode attention only has
+to stream each request's K and V once: the kernel reads the pool's bytes, widens FP8 in
+registers and runs the two small products on tensor cores.
 
 One program per (request, KV head, split of the sequence): the KV head's whole query group
 (padded to 16 rows, the dot's smallest tile) attends to its split with an online softmax. With
@@ -173,6 +174,12 @@ def _merge_kernel(part_out_ptr, part_lse_ptr, out_ptr, stride_ob, stride_oh, v_s
     tl.store(out_ptr + b * stride_ob + head * stride_oh + d, out.to(out_ptr.dtype.element_ty))
 
 
+def _nvidia_ptx(q: torch.Tensor) -> bool:
+    """Whether the kernel is compiled for an NVIDIA GPU, where its inline PTX runs (not for the
+    interpreter on CPU, nor for ROCm)."""
+    return q.is_cuda and torch.version.hip is None
+
+
 @functools.lru_cache(maxsize=None)
 def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
@@ -292,7 +299,7 @@ def paged_decode(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, indp
         k_buf.stride(0), v_buf.stride(0), out.stride(0), out.stride(1), sm_scale * k_scale * _LOG2E, v_scale,
         WIDEN_FP16=k_buf.dtype == torch.float8_e4m3fn, NUM_Q_HEADS=num_q_heads, GROUP=group,
         BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, PAGE_SIZE=page_size,
-        BLOCK_T=tiles.block_t, NUM_SPLITS=splits, V_PAIRS=v_pairs, PTX=q.is_cuda, PDL=pdl,
+        BLOCK_T=tiles.block_t, NUM_SPLITS=splits, V_PAIRS=v_pairs, PTX=_nvidia_ptx(q), PDL=pdl,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages, launch_pdl=pdl)
     if splits > 1:
         _merge_kernel[(batch, num_q_heads)](part_out, part_lse, out, out.stride(0), out.stride(1), v_scale,
