@@ -239,7 +239,7 @@ def bench_decode_profile(make_engine, rep: Reporter, batch: int = 384, prompt_le
         timer = StepTimer(engine.scheduler.engine.runner)
         engine.generate(input_ids=prompts, sampling_params=params)
         device_s, step_count = timer.split()
-        del engine.scheduler.engine.runner.forward, timer  # the timer holds the runner and its memory
+        timer.remove()
         kernels = profile(lambda: engine.generate(input_ids=prompts, sampling_params=params),
                           f"{name}: {batch} requests x {steps + 1} tokens after {prompt_len} cached", rows=30)
         attention = next(k for k in kernels if k.key == "_decode_kernel")

@@ -277,6 +277,12 @@ class StepTimer:
     def reset(self):
         self.events = []
 
+    def remove(self):
+        """Puts the runner's own forward back and lets go of the runner, so that neither keeps
+        the engine's memory alive past its shutdown."""
+        del self.runner.forward
+        self.runner = self.inner = None
+
 
 def bench_offline(engine, rep: Reporter, prompts, out_lens, hf_tok_s: float | None) -> None:
     timer = StepTimer(engine.scheduler.engine.runner)
@@ -320,7 +326,7 @@ def bench_offline(engine, rep: Reporter, prompts, out_lens, hf_tok_s: float | No
             line.update(vllm_recorded=record, ratio_vs_vllm_recorded=round(out_tokens / seconds / vllm_tok_s, 3),
                         goal=">= 1.1")
         rep.emit(line)
-    del engine.scheduler.engine.runner.forward  # back to the class method (no runner -> runner cycle)
+    timer.remove()
 
 
 def free_engine(engine) -> None:
@@ -340,7 +346,7 @@ def run_offline(engine, prompts, out_lens) -> dict:
     outs = engine.generate(input_ids=prompts, sampling_params=params)
     seconds = time.perf_counter() - start
     device_s, steps = timer.split()
-    del engine.scheduler.engine.runner.forward  # back to the class method
+    timer.remove()
     assert sum(o["meta_info"]["completion_tokens"] for o in outs) == sum(out_lens)
     out_tokens, in_tokens = sum(out_lens), sum(len(p) for p in prompts)
     return {"seconds": round(seconds, 2), "output_tok_s": round(out_tokens / seconds, 1),
@@ -406,7 +412,7 @@ def bench_shared_prefix(make_engine, rep: Reporter, num_groups: int, baseline_gr
         outs = engine.generate(input_ids=prompts, sampling_params=params)
         seconds = time.perf_counter() - start
         device_s, steps = timer.split()
-        del engine.scheduler.engine.runner.forward
+        timer.remove()
         cached = sum(o["meta_info"]["cached_tokens"] for o in outs)
         results[name] = len(prompts) * out_len / seconds
         line = {"bench": "gpu_shared_prefix", "system": f"radixlm_engine {name}", "groups": groups,
