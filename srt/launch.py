@@ -108,12 +108,22 @@ def _wait_ready(ready: zmq.Socket, children: _Children, names: set[str]) -> dict
 
 
 def _local_tokenizer_dir(args: ServerArgs) -> str | None:
-    """The tokenizer's local directory when nothing must be converted or fetched first."""
-    paths = [p for p in (args.model_path, args.tokenizer_path) if p]
-    if any(str(p).endswith(".gguf") for p in paths):
-        return None
-    candidate = args.tokenizer_path or args.model_path
-    return candidate if candidate and os.path.isdir(candidate) else None
+    """The tokenizer's local directory when nothing must be converted or fetched first: a
+    directory, or a GGUF that an earlier run converted (the embedded default model included)."""
+    from radixlm.srt.executor.gguf_loader import converted_dir, converted_tokenizer_dir
+    from radixlm.srt.executor.model_loader import default_model_path
+
+    try:
+        model = args.model_path or default_model_path()
+    except FileNotFoundError:
+        return None  # read_meta says what to install
+    if str(model).endswith(".gguf") and converted_dir(model) is None:
+        return None  # converted once, here, before the scheduler would race to convert it too
+    source = str(args.tokenizer_path or model)
+    if source.endswith(".gguf"):
+        found = converted_tokenizer_dir(source)
+        return str(found) if found is not None else None
+    return source if os.path.isdir(source) else None
 
 
 def launch_server(args: ServerArgs, served_model_name: str | None = None, log_level: str = "info") -> int:
@@ -156,8 +166,9 @@ def _launch(args: ServerArgs, sock: Any, served_model_name: str | None, log_leve
         return meta
 
     # Config and tokenizer for this process. Read while the children start (it takes seconds)
-    # when the tokenizer is a local directory; first otherwise: a GGUF is converted once, and a
-    # hub model is fetched once, before the children race for them.
+    # when the tokenizer is a local directory or a GGUF converted by an earlier run; first
+    # otherwise: a GGUF is converted once, and a hub model is fetched once, before the children
+    # race for them.
     if args.tp_size > 1:
         from radixlm.srt.executor.parallel import check_devices
 

@@ -277,6 +277,35 @@ def test_changed_gguf_is_converted_again(tmp_path: Path, cache_dir: Path) -> Non
     assert marker["sha256"] == gguf_loader.file_sha256(gguf_file)
 
 
+def test_server_reads_the_tokenizer_beside_its_children_once_a_gguf_is_converted(
+        tmp_path: Path, default_model: LoadedModel, cache_dir: Path) -> None:
+    """A server reads config and tokenizer while its scheduler and detokenizer start only when
+    nothing is left to convert; before a GGUF's first conversion it converts first, so that its
+    children do not race to convert the same file, and a model without a tokenizer is reported
+    before any child starts."""
+    from radixlm.srt.launch import _local_tokenizer_dir
+    from radixlm.srt.server_args import ServerArgs
+
+    gguf_file = tmp_path / "tiny.gguf"
+    _write_gguf(gguf_file, _tiny_hf_model("llama"), "llama")  # no tokenizer metadata
+    args = ServerArgs(model_path=str(gguf_file))
+    assert gguf_loader.converted_dir(gguf_file) is None and _local_tokenizer_dir(args) is None
+    converted = load_model(gguf_file).local_dir
+    assert gguf_loader.converted_dir(gguf_file) == Path(converted)
+    assert _local_tokenizer_dir(args) is None  # converted, but it has no tokenizer
+    with_tokenizer = ServerArgs(model_path=str(gguf_file), tokenizer_path=default_model.local_dir)
+    assert _local_tokenizer_dir(with_tokenizer) == default_model.local_dir
+
+
+def test_server_reads_the_default_models_tokenizer_beside_its_children(default_model: LoadedModel) -> None:
+    from radixlm.srt.launch import _local_tokenizer_dir
+    from radixlm.srt.server_args import ServerArgs
+
+    found = _local_tokenizer_dir(ServerArgs())  # the default model, converted by the fixture
+    assert found == default_model.local_dir
+    assert load_tokenizer(found).encode("Hello, world") == default_model.tokenizer.encode("Hello, world")
+
+
 def test_unsupported_gguf_architecture(tmp_path: Path, cache_dir: Path) -> None:
     path = tmp_path / "other.gguf"
     write_stub_gguf(path, "gpt2")

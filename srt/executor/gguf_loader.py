@@ -278,16 +278,35 @@ def convert_gguf(gguf_path: str | os.PathLike[str], expected_sha256: str | None 
     return cache_dir
 
 
+def converted_dir(gguf_path: str | os.PathLike[str]) -> Path | None:
+    """The GGUF's cached HF directory when an earlier run converted it, else None (never
+    converts: a server starts its children at once when nothing needs converting)."""
+    gguf_path = Path(gguf_path).expanduser().resolve()
+    if not gguf_path.is_file():
+        return None
+    cache_dir = _cache_dir_for(gguf_path)
+    return cache_dir if _is_complete(cache_dir, gguf_path) else None
+
+
+def converted_tokenizer_dir(gguf_path: str | os.PathLike[str]) -> Path | None:
+    """The cached HF directory holding the GGUF's tokenizer when an earlier run converted it
+    (the whole model, or only its tokenizer), else None; never converts."""
+    model_dir = converted_dir(gguf_path)
+    if model_dir is not None and (model_dir / "tokenizer_config.json").is_file():
+        return model_dir
+    gguf_path = Path(gguf_path).expanduser().resolve()
+    cache_dir = _cache_dir_for(gguf_path, suffix="-tokenizer") if gguf_path.is_file() else None
+    return cache_dir if cache_dir is not None and _is_complete(cache_dir, gguf_path) else None
+
+
 def convert_gguf_tokenizer(gguf_path: str | os.PathLike[str]) -> Path:
     """Return an HF tokenizer directory for a GGUF (model or vocab-only), converted once and cached."""
     gguf_path = Path(gguf_path).expanduser().resolve()
     _check_file(gguf_path)
-    model_dir = _cache_dir_for(gguf_path)
-    if _is_complete(model_dir, gguf_path) and (model_dir / "tokenizer_config.json").is_file():
-        return model_dir  # a full conversion already holds the tokenizer
+    ready = converted_tokenizer_dir(gguf_path)  # a full conversion holds the tokenizer too
+    if ready is not None:
+        return ready
     cache_dir = _cache_dir_for(gguf_path, suffix="-tokenizer")
-    if _is_complete(cache_dir, gguf_path):
-        return cache_dir
 
     def build(out_dir: Path) -> None:
         from transformers import AutoTokenizer
