@@ -3,9 +3,15 @@ tokenizer (byte-level BPE), stop-string hold-back and trimming, and the real pro
 
 from __future__ import annotations
 
+import json
 import multiprocessing
 import os
+import random
+import shutil
+import subprocess
+import sys
 import tempfile
+from pathlib import Path
 from typing import Any, Sequence
 
 import pytest
@@ -17,6 +23,8 @@ from hypothesis import strategies as st
 from radixlm.srt import io_struct
 from radixlm.srt.detokenizer.process import DetokenizerManager, run_detokenizer_process
 from radixlm.srt.detokenizer.incremental import REPLACEMENT_CHAR, IncrementalDetokenizer
+from radixlm.srt.detokenizer.text_decoder import RustDecoder, load_decoder, rust_decoder
+from radixlm.srt.executor.gguf_loader import convert_gguf_tokenizer
 from radixlm.srt.io_struct import BatchTextOut, BatchTokenOut, ControlReply, ReadySignal, ReqOutput
 from radixlm.srt.executor.model_loader import load_tokenizer
 
@@ -351,3 +359,66 @@ def test_detokenizer_process_reports_a_failed_start():
                 proc.join()
             ready.close()
             ctx.term()
+
+
+# ---------------------------------------------------------------- the process's decoder
+
+LLAMA3_TOKENIZER_GGUF = Path(__file__).resolve().parents[2] / "shared/models/llama3-tokenizer-vocab.gguf"
+
+
+def _tokenizer_dirs(default_model) -> list[str]:
+    dirs = [default_model.local_dir]
+    if LLAMA3_TOKENIZER_GGUF.is_file():  # the development machines and CI lay ../shared there
+        dirs.append(str(convert_gguf_tokenizer(LLAMA3_TOKENIZER_GGUF)))
+    return dirs
+
+
+def test_the_process_decodes_through_tokenizers_exactly_as_transformers(default_model):
+    """The detokenizer process decodes through the `tokenizers` library (no transformers, so no
+    torch to import at start) where that is exact: for GGUF-converted tokenizers such as the
+    default model's and Llama 3's, random ids (special ones included) decode as transformers'
+    tokenizer decodes them, with and without skip_special_tokens."""
+    rng = random.Random(0)
+    for directory in _tokenizer_dirs(default_model):
+        decoder, hf = load_decoder(directory), load_tokenizer(directory)
+        assert isinstance(decoder, RustDecoder), directory
+        special = list(hf.all_special_ids)
+        samples = [hf.encode(text, add_special_tokens=False) for text in TEXTS]
+        samples += [[rng.choice(special) if rng.random() < 0.15 else rng.randrange(len(hf))
+                     for _ in range(rng.randrange(1, 40))] for _ in range(300)]
+        for ids in samples:
+            for skip in (True, False):
+                assert decoder.decode(ids, skip_special_tokens=skip, spaces_between_special_tokens=True) == \
+                    hf.decode(ids, skip_special_tokens=skip, spaces_between_special_tokens=True), (directory, ids)
+
+
+@pytest.mark.parametrize("change", ["clean_up", "model_class", "unmarked_special", "added_token_differs", "no_class"])
+def test_the_process_decodes_through_transformers_where_tokenizers_would_differ(change, tmp_path, default_model):
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(Path(default_model.local_dir) / name, tmp_path / name)
+    assert isinstance(rust_decoder(str(tmp_path)), RustDecoder)
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    if change == "clean_up":
+        config["clean_up_tokenization_spaces"] = True
+    elif change == "model_class":
+        config["tokenizer_class"] = "LlamaTokenizer"
+    elif change == "unmarked_special":
+        config["additional_special_tokens"] = ["hello"]  # an ordinary vocabulary entry
+    elif change == "added_token_differs":
+        config["added_tokens_decoder"] = {"0": {"content": "<|endoftext|>", "special": False}}
+    else:
+        del config["tokenizer_class"]
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    assert rust_decoder(str(tmp_path)) is None
+    if change != "model_class":  # LlamaTokenizer would need this model's sentencepiece files
+        assert not isinstance(load_decoder(str(tmp_path)), RustDecoder)
+
+
+def test_the_process_starts_without_importing_torch_or_transformers(default_model):
+    code = ("import sys; from radixlm.srt.detokenizer.process import run_detokenizer_process; "
+            "from radixlm.srt.detokenizer.text_decoder import load_decoder; "
+            f"d = load_decoder({default_model.local_dir!r}); assert d.decode([28, 80]); "
+            "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"

@@ -95,9 +95,9 @@ def run_detokenizer_process(tokenizer_dir: str, recv_addr: str, send_addr: str, 
         ready = open_socket(zmq.PUSH, _READY_LINGER_MS)
         ready.connect(ready_addr)
         try:
-            from radixlm.srt.executor.model_loader import load_tokenizer
+            from radixlm.srt.detokenizer.text_decoder import load_decoder
 
-            manager = DetokenizerManager(load_tokenizer(tokenizer_dir))
+            manager = DetokenizerManager(load_decoder(tokenizer_dir))
             recv_sock = open_socket(zmq.PULL)
             recv_sock.bind(recv_addr)
             send_sock = open_socket(zmq.PUSH)
