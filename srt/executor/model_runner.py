@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import time
@@ -26,6 +27,22 @@ logger = logging.getLogger(__name__)
 CPU_DEFAULT_KV_TOKENS = 32768
 
 
+@contextlib.contextmanager
+def _without_random_init():
+    """nn.Linear and nn.Embedding fill their new weights at random, and load_weights then
+    overwrites every element (checkpoint.load_into checks that each is written): skip the fill,
+    0.8 s of a CPU server's start for the 135M default model."""
+    names = ("kaiming_uniform_", "uniform_", "normal_")
+    saved = {name: getattr(torch.nn.init, name) for name in names}
+    for name in names:
+        setattr(torch.nn.init, name, lambda tensor, *args, **kwargs: tensor)
+    try:
+        yield
+    finally:
+        for name, fill in saved.items():
+            setattr(torch.nn.init, name, fill)
+
+
 class ModelRunner:
     def __init__(self, loaded, args: ServerArgs, req_to_token: torch.Tensor, num_kv_slots: int,
                  tp: parallel.TensorParallel | None = None):
@@ -48,7 +65,7 @@ class ModelRunner:
         previous_dtype = torch.get_default_dtype()
         torch.set_default_dtype(self.dtype)
         try:
-            with torch.device(self.device):
+            with torch.device(self.device), _without_random_init():
                 self.model = model_class(cfg)(cfg, loaded.hf_config, self.ops, shard=loaded.shard, tp=self.tp)
         finally:
             torch.set_default_dtype(previous_dtype)
