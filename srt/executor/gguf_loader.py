@@ -24,7 +24,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 
 logger = logging.getLogger(__name__)
 
@@ -199,6 +198,7 @@ def _read_architecture(reader: Any, gguf_path: Path) -> str:
 
 
 def _dequantized_tensors(reader: Any, arch: str, hf_config: Any) -> dict[str, torch.Tensor]:
+    import torch  # here, not at the top: a server checks its conversions before importing torch
     from gguf.quants import dequantize
     from tqdm import tqdm
 
@@ -239,6 +239,7 @@ def convert_gguf(gguf_path: str | os.PathLike[str], expected_sha256: str | None 
         return cache_dir
 
     def build(out_dir: Path) -> None:
+        import torch
         from gguf import GGUFReader
         from safetensors.torch import save_file
         from transformers import AutoConfig, AutoTokenizer

