@@ -144,8 +144,8 @@ def launch_server(args: ServerArgs, served_model_name: str | None = None, log_le
 
 
 def _launch(args: ServerArgs, sock: Any, served_model_name: str | None, log_level: str) -> int:
-    # Only what starting the children needs is imported before they start (not torch: the
-    # children import their own, and on a small machine the cores are better spent on both).
+    # Only what starting the children needs is imported before they start: torch and the HTTP
+    # stack take seconds to import, and the children need not wait for them.
     from radixlm.srt.detokenizer.process import run_detokenizer_process
     from radixlm.srt.scheduler.process import run_scheduler_process
 

@@ -21,9 +21,12 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+if TYPE_CHECKING:
+    import torch
 
 logger = logging.getLogger(__name__)
 
@@ -198,7 +201,7 @@ def _read_architecture(reader: Any, gguf_path: Path) -> str:
 
 
 def _dequantized_tensors(reader: Any, arch: str, hf_config: Any) -> dict[str, torch.Tensor]:
-    import torch  # here, not at the top: a server checks its conversions before importing torch
+    import torch  # here, not at the top: a server looks for its conversions before importing torch
     from gguf.quants import dequantize
     from tqdm import tqdm
 

@@ -60,8 +60,6 @@ class LoadedModel:
     fp8_scales: dict[str, torch.Tensor] | None = None
 
 
-
-
 def load_model(
     model_path: str | os.PathLike[str] | None = None,
     dtype: torch.dtype = torch.float32,

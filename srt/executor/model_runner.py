@@ -31,7 +31,8 @@ CPU_DEFAULT_KV_TOKENS = 32768
 def _without_random_init():
     """nn.Linear and nn.Embedding fill their new weights at random, and load_weights then
     overwrites every element (checkpoint.load_into checks that each is written): skip the fill,
-    0.8 s of a CPU server's start for the 135M default model."""
+    0.8 s of a CPU server's start for the 135M default model. The fills are torch.nn.init's,
+    replaced process-wide while the model is built."""
     names = ("kaiming_uniform_", "uniform_", "normal_")
     saved = {name: getattr(torch.nn.init, name) for name in names}
     for name in names:
