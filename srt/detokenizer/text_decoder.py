@@ -37,7 +37,7 @@ class RustDecoder:
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False, **_slow_only: Any) -> str:
         # spaces_between_special_tokens matters to slow tokenizers only; fast ones ignore it.
-        return self._tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
+        return self._tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
 
 def load_decoder(tokenizer_dir: str) -> Any:

@@ -295,12 +295,14 @@ def converted_dir(gguf_path: str | os.PathLike[str]) -> Path | None:
 def converted_tokenizer_dir(gguf_path: str | os.PathLike[str]) -> Path | None:
     """The cached HF directory holding the GGUF's tokenizer when an earlier run converted it
     (the whole model, or only its tokenizer), else None; never converts."""
-    model_dir = converted_dir(gguf_path)
-    if model_dir is not None and (model_dir / "tokenizer_config.json").is_file():
-        return model_dir
     gguf_path = Path(gguf_path).expanduser().resolve()
-    cache_dir = _cache_dir_for(gguf_path, suffix="-tokenizer") if gguf_path.is_file() else None
-    return cache_dir if cache_dir is not None and _is_complete(cache_dir, gguf_path) else None
+    if not gguf_path.is_file():
+        return None
+    model_dir = _cache_dir_for(gguf_path)
+    if _is_complete(model_dir, gguf_path) and (model_dir / "tokenizer_config.json").is_file():
+        return model_dir
+    cache_dir = _cache_dir_for(gguf_path, suffix="-tokenizer")
+    return cache_dir if _is_complete(cache_dir, gguf_path) else None
 
 
 def convert_gguf_tokenizer(gguf_path: str | os.PathLike[str]) -> Path:
