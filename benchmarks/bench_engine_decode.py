@@ -1,7 +1,8 @@
 """Single-stream decode tokens/s: radixlm's Engine against HF transformers `generate`.
 
-Same model (the embedded default, fp32), same prompt, greedy, fixed output length, both
-measured in this run. Prints one JSON line per system and one with the ratio.
+Same model (the embedded default), same dtype (fp32 unless --dtype bfloat16), same prompt,
+greedy, fixed output length, both measured in this run. Prints one JSON line per system and one
+with the ratio.
 """
 
 from __future__ import annotations
@@ -27,15 +28,18 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--prompt", default="The capital of France is")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                        help="both systems' weights and activations (bfloat16: CPUs with AVX512-BF16 or AMX)")
     args = parser.parse_args()
 
     from transformers import AutoModelForCausalLM
 
     from radixlm.srt import Engine
 
-    engine = Engine(max_total_tokens=4096)
+    dtype = getattr(torch, args.dtype)
+    engine = Engine(max_total_tokens=4096, dtype=args.dtype)
     ids = engine.tokenizer.encode(args.prompt, add_special_tokens=False)
-    hf = AutoModelForCausalLM.from_pretrained(_local_dir(), dtype=torch.float32).eval()
+    hf = AutoModelForCausalLM.from_pretrained(_local_dir(), dtype=dtype).eval()
 
     n = args.new_tokens
     params = {"temperature": 0, "max_new_tokens": n, "ignore_eos": True}
@@ -50,7 +54,7 @@ def main() -> None:
         gen()  # warm-up
         theirs = best_of(args.runs, gen)
 
-    common = {"prompt_tokens": len(ids), "new_tokens": n, "threads": torch.get_num_threads()}
+    common = {"prompt_tokens": len(ids), "new_tokens": n, "threads": torch.get_num_threads(), "dtype": args.dtype}
     print(json.dumps({"bench": "engine_decode", "system": "hf_transformers_generate", "tok_per_s": round(n / theirs, 2), **common}))
     print(json.dumps({"bench": "engine_decode", "system": "radixlm_engine", "tok_per_s": round(n / ours, 2), **common}))
     print(json.dumps({"bench": "engine_decode", "baseline": "hf_transformers_generate",
