@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field
 from typing import Any
 
 from radixlm.srt.constrained.spec import GrammarSpec, check_json_schema, check_syntax
@@ -12,6 +13,7 @@ from radixlm.srt.constrained.spec import GrammarSpec, check_json_schema, check_s
 # At most one of these constrains a request's output.
 CONSTRAINT_FIELDS = ("regex", "json_schema", "ebnf", "choices")
 MAX_N = 64  # samples per prompt in one request
+LOGIT_BIAS_RANGE = (-100.0, 100.0)  # OpenAI's: -100 bans a token, +100 all but forces it
 # Seeds are signed 64-bit (OpenAI's range); sample i of n seeds with seed + i, which stays within
 # what msgpack and torch's manual_seed accept (up to 2**64 - 1).
 _SEED_RANGE = (-2**63, 2**63 - 1)
@@ -41,6 +43,8 @@ class SamplingParams:
     json_schema: str | None = None  # JSON text; a dict is serialized on the way in
     ebnf: str | None = None
     choices: tuple[str, ...] | None = None  # the output is exactly one of these strings
+    # Token id -> added to its logit before sampling (not to the logprobs, which stay the model's).
+    logit_bias: dict[int, float] | None = field(default=None, hash=False)
 
     @property
     def grammar_spec(self) -> GrammarSpec | None:
@@ -90,6 +94,8 @@ class SamplingParams:
         if vocab_size is not None:
             bad = [t for t in self.stop_token_ids if not 0 <= t < vocab_size]
             _check(not bad, "stop_token_ids", f"ids {bad[:3]} are outside the vocabulary [0, {vocab_size})")
+            bad = [t for t in self.logit_bias or () if not 0 <= t < vocab_size]
+            _check(not bad, "logit_bias", f"token ids {bad[:3]} are outside the vocabulary [0, {vocab_size})")
         for pattern in self.stop_regex:
             import regex
 
@@ -161,12 +167,31 @@ def _coerce(name: str, value: Any) -> Any:
         ok = isinstance(value, (list, tuple)) and value and all(isinstance(c, str) and c for c in value)
         _check(bool(ok), name, "must be a non-empty list of non-empty strings")
         return tuple(value)
+    if name == "logit_bias":
+        return _coerce_logit_bias(value)
     if name == "stop_token_ids":
         items = [value] if isinstance(value, int) else value
         ok = isinstance(items, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in items)
         _check(ok, name, "must be a list of integers")
         return tuple(items)
     return value
+
+
+def _coerce_logit_bias(value: Any) -> dict[int, float]:
+    """{token id: bias}; ids as integers or as their decimal text (JSON object keys are text)."""
+    _check(isinstance(value, dict), "logit_bias", "must be an object mapping token ids to numbers")
+    low, high = LOGIT_BIAS_RANGE
+    bias = {}
+    for key, number in value.items():
+        text = str(key)
+        is_id = ((isinstance(key, int) and not isinstance(key, bool) and key >= 0)
+                 or (isinstance(key, str) and text.isascii() and text.isdigit()))
+        _check(is_id, "logit_bias", f"keys must be token ids (non-negative integers), got {key!r}")
+        ok = isinstance(number, (int, float)) and not isinstance(number, bool) and math.isfinite(number)
+        _check(ok and low <= number <= high, "logit_bias",
+               f"the bias of token {text} must be a number in [{low:g}, {high:g}], got {number!r}")
+        bias[int(text)] = float(number)
+    return bias
 
 
 def _check(ok: bool, name: str, message: str) -> None:

@@ -282,6 +282,29 @@ def test_token_bytes_are_exact_for_split_characters(tokenizer):
     assert names.get(tokenizer.eos_token_id)[0] == tokenizer.eos_token
 
 
+# ---- logit bias ---------------------------------------------------------------------------------
+
+def test_logit_bias_forces_and_bans_tokens_and_leaves_logprobs_the_models(client, model, tokenizer):
+    prompt = "The capital of France is"
+    banana = tokenizer.encode(" banana", add_special_tokens=False)[0]
+    forced = client.completions.create(model=model, prompt=prompt, temperature=0, max_tokens=4, logprobs=1,
+                                       logit_bias={str(banana): 100})
+    assert forced.choices[0].text == tokenizer.decode([banana] * 4)
+    # The logprobs are the model's own, not the biased distribution's (which gives banana ~1).
+    assert forced.choices[0].logprobs.token_logprobs[0] < -5
+    sampled = client.chat.completions.create(model=model, messages=FRANCE, temperature=1.0, seed=3, max_tokens=3,
+                                             logit_bias={banana: 100})
+    assert sampled.choices[0].message.content == tokenizer.decode([banana] * 3)
+
+    plain = client.completions.create(model=model, prompt=prompt, temperature=0, max_tokens=3)
+    assert plain.choices[0].text == " Paris.\n"
+    paris = tokenizer.encode(" Paris", add_special_tokens=False)
+    assert len(paris) == 1
+    banned = client.completions.create(model=model, prompt=prompt, temperature=0, max_tokens=3,
+                                       logit_bias={str(paris[0]): -100})
+    assert banned.choices[0].text and not banned.choices[0].text.startswith(" Paris")
+
+
 # ---- errors -------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("kwargs, param", [
@@ -308,6 +331,10 @@ def test_token_bytes_are_exact_for_split_characters(tokenizer):
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"not": {}}}}},
      "response_format.json_schema.schema"),
     ({"max_tokens": 9000}, "max_tokens"),
+    ({"logit_bias": {"49152": 1}}, "logit_bias"),  # the vocabulary is 49152 tokens
+    ({"logit_bias": {"5": 101}}, "logit_bias"),
+    ({"logit_bias": {"x": 1}}, "logit_bias"),
+    ({"logit_bias": {"5": "high"}}, "logit_bias"),
 ])
 def test_chat_bad_input_is_400_naming_the_field(client, model, kwargs, param):
     body = {"model": model, "messages": FRANCE, "max_tokens": 4, **kwargs}

@@ -125,6 +125,19 @@ def test_engine_generate_with_speculation_matches(engine, spec_engine):
     assert fast[0]["meta_info"]["spec_verify_ct"] > 0
 
 
+def test_a_logit_bias_is_honoured_while_other_requests_speculate(engine, spec_engine):
+    """Drafts are verified against unbiased logits, so a request with a logit bias decodes without
+    them: banning the copy's most frequent token changes its output as on a plain engine."""
+    plain = engine.generate(COPY, {"temperature": 0, "max_new_tokens": 32})["output_ids"]
+    common = max(set(plain), key=plain.count)
+    params = {"temperature": 0, "max_new_tokens": 32, "logit_bias": {str(common): -100}}
+    biased = spec_engine.generate([COPY, COPY], [params, {"temperature": 0, "max_new_tokens": 32}])
+    assert common not in biased[0]["output_ids"]
+    assert biased[0]["output_ids"] == engine.generate(COPY, params)["output_ids"]
+    assert "spec_verify_ct" not in biased[0]["meta_info"]  # reported only when it speculated
+    assert biased[1]["output_ids"] == plain and biased[1]["meta_info"]["spec_verify_ct"] > 0
+
+
 def test_chat_drafts_seldom_and_its_plain_steps_overlap(engine, spec_engine):
     """Ordinary chat copies little: drafting pauses, and the decode steps in which no one
     drafts run overlapped (here forced on, as on a GPU). Greedy output as without speculation."""

@@ -1,7 +1,8 @@
-"""Turn a batch of logits into next tokens: penalties, temperature, top-k/top-p/min-p, seeds.
+"""Turn a batch of logits into next tokens: penalties, logit biases, temperature,
+top-k/top-p/min-p, seeds.
 
 Logprobs are not computed here: they describe the model's own distribution (raw logits),
-which the runner takes before any penalty or temperature is applied.
+which the runner takes before any penalty, bias or temperature is applied.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ class SamplingRequest(Protocol):
 
 def apply_penalties(logits: torch.Tensor, reqs: Sequence[SamplingRequest], eos_ids: Sequence[int]) -> None:
     """In place: frequency/presence (output tokens), repetition (prompt and output, HF's rule),
-    and min_new_tokens (no EOS or stop token before it is reached)."""
+    logit_bias (added as given), and min_new_tokens (no EOS or stop token before it is reached)."""
     vocab = logits.shape[-1]
     for row, req in enumerate(reqs):
         sp = req.sampling_params
@@ -34,6 +35,9 @@ def apply_penalties(logits: torch.Tensor, reqs: Sequence[SamplingRequest], eos_i
             seen = torch.tensor(sorted(set(req.origin_input_ids) | set(req.output_ids)), device=logits.device)
             scores = logits[row, seen]
             logits[row, seen] = torch.where(scores > 0, scores / sp.repetition_penalty, scores * sp.repetition_penalty)
+        if sp.logit_bias:
+            ids = _on_device(list(sp.logit_bias), logits.device, torch.int64)
+            logits[row, ids] += _on_device(list(sp.logit_bias.values()), logits.device, logits.dtype)
         # A grammar decides for itself when the output may end.
         if len(req.output_ids) < sp.min_new_tokens and getattr(req, "grammar", None) is None:
             blocked = list(sp.stop_token_ids) + ([] if sp.ignore_eos else list(eos_ids))

@@ -279,11 +279,11 @@ def _extend_part(req: Req, extend_len: int, slots: list[int]) -> ExtendPlan:
 
 def _may_speculate(req: Req) -> bool:
     """Whether drafts can be verified for `req` with outputs exactly as without them: not while
-    a penalty, min_new_tokens or logprobs shape each token. (Grammars can: each verify row is
-    masked by the grammar state after the drafts before it.)"""
+    a penalty, a logit bias, min_new_tokens or logprobs shape each token. (Grammars can: each
+    verify row is masked by the grammar state after the drafts before it.)"""
     sp = req.sampling_params
     return (not req.logprob.return_logprob and not sp.frequency_penalty
-            and not sp.presence_penalty and sp.repetition_penalty == 1.0
+            and not sp.presence_penalty and sp.repetition_penalty == 1.0 and not sp.logit_bias
             and len(req.output_ids) + req.pending_tokens >= sp.min_new_tokens)
 
 

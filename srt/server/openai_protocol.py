@@ -90,7 +90,7 @@ _SAMPLING_FIELDS = {
     "min_p": "min_p", "repetition_penalty": "repetition_penalty", "min_tokens": "min_new_tokens",
     "ignore_eos": "ignore_eos", "stop_token_ids": "stop_token_ids",
     "skip_special_tokens": "skip_special_tokens", "no_stop_trim": "no_stop_trim",
-    "regex": "regex", "json_schema": "json_schema", "ebnf": "ebnf",
+    "regex": "regex", "json_schema": "json_schema", "ebnf": "ebnf", "logit_bias": "logit_bias",
 }
 
 
@@ -131,8 +131,6 @@ class _SamplingBody(_Body):
 
     def sampling_params(self, max_new_tokens: int) -> dict[str, Any]:
         """SGLang sampling_params (with n; the intake expands it); unset fields keep the server defaults."""
-        if self.logit_bias:
-            raise OpenAIError("logit_bias: not supported", "logit_bias")
         params: dict[str, Any] = {"max_new_tokens": max_new_tokens}
         for name, sglang_name in _SAMPLING_FIELDS.items():
             value = getattr(self, name)
