@@ -44,6 +44,18 @@ def test_openai_client_completions_on_gpu(gpu_server):
     stream = client.completions.create(model=model, prompt=prompt, max_tokens=8, temperature=0, stream=True,
                                        extra_body={"ignore_eos": True})
     assert len("".join(chunk.choices[0].text for chunk in stream if chunk.choices)) > 0
+    # A logit bias in a batch decoding from CUDA graphs with overlap scheduling: the biased
+    # request gets its forced token, the others their greedy outputs.
+    forced = 1000
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        biased = pool.submit(client.completions.create, model=model, prompt=prompt + "0", max_tokens=16,
+                             temperature=0, logit_bias={str(forced): 100}, extra_body={"ignore_eos": True})
+        plain = list(pool.map(complete, range(3)))
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(llama3_tokenizer_path())
+    assert biased.result().choices[0].text == tokenizer.decode([forced] * 16)
+    assert [p.choices[0].text for p in plain] == [r.choices[0].text for r in results[:3]]
     info = gpu_server.client().get("/get_server_info").json()
     assert info["kv"]["leaked"] == 0
     assert (info["max_running_requests"], info["chunked_prefill_size"]) == (512, 8192)  # CUDA's defaults
