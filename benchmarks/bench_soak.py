@@ -44,6 +44,7 @@ _BAD_BODIES = [  # each is a 400 (or 413) naming the problem
     {"text": "hi", "sampling_params": {"temperature": -1}},
     {"text": "hi", "sampling_params": {"regex": "("}},
     {"input_ids": [10**9]},
+    {"text": "hi", "sampling_params": {"logit_bias": {"999999999": 1}}},
 ]
 
 
@@ -112,8 +113,10 @@ class Soak:
         return self._check("constrained", r)
 
     async def _chat(self, c: httpx.AsyncClient) -> bool:
-        r = await c.post("/v1/chat/completions", json={"model": "default", "max_tokens": 12,
-                                                        "messages": [{"role": "user", "content": "Say hello."}]})
+        body = {"model": "default", "max_tokens": 12, "messages": [{"role": "user", "content": "Say hello."}]}
+        if self.rng.random() < 0.3:  # ban or favour a few tokens
+            body["logit_bias"] = {str(self.rng.randrange(1000)): self.rng.choice([-100, 5]) for _ in range(3)}
+        r = await c.post("/v1/chat/completions", json=body)
         return self._check("chat", r)
 
     async def _stream_drop(self, c: httpx.AsyncClient) -> bool:
