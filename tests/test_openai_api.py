@@ -151,7 +151,7 @@ def test_chat_seed_reproducible(client, model):
 
 def test_chat_max_completion_tokens_and_text_response_format(client, model):
     resp = client.chat.completions.create(model=model, messages=FRANCE, temperature=0, max_completion_tokens=3,
-                                          response_format={"type": "text"})
+                                          response_format={"type": "text"}, modalities=["text"])
     assert resp.usage.completion_tokens == 3 and resp.choices[0].finish_reason == "length"
     assert resp.choices[0].message.content == "The capital of"
 
@@ -335,6 +335,12 @@ def test_logit_bias_forces_and_bans_tokens_and_leaves_logprobs_the_models(client
     ({"logit_bias": {"5": 101}}, "logit_bias"),
     ({"logit_bias": {"x": 1}}, "logit_bias"),
     ({"logit_bias": {"5": "high"}}, "logit_bias"),
+    # Fields that would change the answer are refused, not ignored.
+    ({"functions": [{"name": "f", "parameters": {}}]}, "functions"),
+    ({"function_call": "auto"}, "function_call"),
+    ({"modalities": ["text", "audio"]}, "modalities"),
+    ({"audio": {"voice": "alloy", "format": "wav"}}, "audio"),
+    ({"web_search_options": {}}, "web_search_options"),
 ])
 def test_chat_bad_input_is_400_naming_the_field(client, model, kwargs, param):
     body = {"model": model, "messages": FRANCE, "max_tokens": 4, **kwargs}

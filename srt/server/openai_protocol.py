@@ -246,10 +246,25 @@ class ChatCompletionRequest(_SamplingBody):
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
+    # Fields that would change the answer, refused rather than ignored (unknown ones are ignored).
+    functions: Any = None
+    function_call: Any = None
+    modalities: Any = None
+    audio: Any = None
+    web_search_options: Any = None
 
     def check_unsupported(self) -> None:
         if not self.messages:
             raise OpenAIError("messages: must not be empty", "messages")
+        for name in ("functions", "function_call"):
+            if getattr(self, name) is not None:
+                raise OpenAIError(f"{name}: the deprecated function-calling fields are not supported; "
+                                  "pass the functions as tools (and tool_choice)", name)
+        if self.modalities is not None and self.modalities != ["text"]:
+            raise OpenAIError("modalities: only [\"text\"] is supported", "modalities")
+        for name in ("audio", "web_search_options"):
+            if getattr(self, name) is not None:
+                raise OpenAIError(f"{name}: not supported", name)
         if self.top_logprobs and not self.logprobs:
             raise OpenAIError("top_logprobs: needs logprobs set to true", "top_logprobs")
 
