@@ -4,16 +4,16 @@ Names follow SGLang's frontend, so `import radixlm as sgl` runs SGLang programs 
 Importing this package is cheap: nothing here imports torch or transformers.
 """
 
-from radixlm.backend import Backend, BackendError, flush_cache, get_server_info, set_default_backend
-from radixlm.choices import (ChoiceDecision, ChoicesMethod, greedy_token_selection, token_length_normalized,
-                             unconditional_likelihood_normalized)
-from radixlm.function import SglFunction, function
-from radixlm.ir import (assistant, assistant_begin, assistant_end, gen, gen_int, gen_string, select, system,
-                        system_begin, system_end, user, user_begin, user_end)
-from radixlm.openai_backend import OpenAI
-from radixlm.runtime import Runtime
-from radixlm.runtime_endpoint import RuntimeEndpoint
-from radixlm.state import ProgramState, ProgramStateGroup
+from .backend import Backend, BackendError, flush_cache, get_server_info, set_default_backend
+from .choices import (ChoiceDecision, ChoicesMethod, greedy_token_selection, token_length_normalized,
+                      unconditional_likelihood_normalized)
+from .function import SglFunction, function
+from .ir import (assistant, assistant_begin, assistant_end, gen, gen_int, gen_string, select, system,
+                 system_begin, system_end, user, user_begin, user_end)
+from .openai_backend import OpenAI
+from .runtime import Runtime
+from .runtime_endpoint import RuntimeEndpoint
+from .state import ProgramState, ProgramStateGroup
 
 __version__ = "0.1.0"
 

@@ -12,9 +12,9 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
-from radixlm.chat_template import ChatRenderer
-from radixlm.choices import ChoiceDecision, ChoicesMethod
-from radixlm.sampling import SglSamplingParams
+from .chat_template import ChatRenderer
+from .choices import ChoiceDecision, ChoicesMethod
+from .sampling import SglSamplingParams
 
 
 class BackendError(RuntimeError):

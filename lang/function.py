@@ -10,11 +10,11 @@ from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, Iterator
 
-from radixlm.backend import Backend, get_default_backend, resolve_backend
-from radixlm.interpreter import StreamExecutor
-from radixlm.sampling import SglSamplingParams
-from radixlm.state import ProgramState
-from radixlm.tracer import TraceResult, trace_program
+from .backend import Backend, get_default_backend, resolve_backend
+from .interpreter import StreamExecutor
+from .sampling import SglSamplingParams
+from .state import ProgramState
+from .tracer import TraceResult, trace_program
 
 logger = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ import urllib.error
 import urllib.request
 from typing import Any, Iterator
 
-from radixlm.backend import BackendError
+from .backend import BackendError
 
 DEFAULT_TIMEOUT_S = 600.0
 

@@ -13,11 +13,11 @@ import queue
 import threading
 from typing import Any, Iterator
 
-from radixlm.backend import Backend, BackendError, Prompt
-from radixlm.chat_template import ChatRenderer
-from radixlm.ir import (CommitPrefix, Constant, Expr, ExprList, Gen, RoleBegin, RoleEnd, Select,
-                        VarScopeBegin, VarScopeEnd, names_in)
-from radixlm.sampling import SglSamplingParams
+from .backend import Backend, BackendError, Prompt
+from .chat_template import ChatRenderer
+from .ir import (CommitPrefix, Constant, Expr, ExprList, Gen, RoleBegin, RoleEnd, Select,
+                 VarScopeBegin, VarScopeEnd, names_in)
+from .sampling import SglSamplingParams
 
 _END = object()  # the worker's stop signal
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Union
 
-from radixlm.choices import ChoicesMethod, token_length_normalized
-from radixlm.sampling import SglSamplingParams
+from .choices import ChoicesMethod, token_length_normalized
+from .sampling import SglSamplingParams
 
 
 class Expr:

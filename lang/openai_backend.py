@@ -15,12 +15,12 @@ import json
 import os
 from typing import Any, Iterator
 
-from radixlm.backend import Backend, BackendError, Generation, Prompt
-from radixlm.chat_template import ChatRenderer
-from radixlm.choices import ChoiceDecision, ChoicesMethod, TokenLogprobs
-from radixlm.http_client import DEFAULT_TIMEOUT_S, HttpClient
-from radixlm.sampling import SglSamplingParams
-from radixlm.tokenizer import load_client_tokenizer
+from .backend import Backend, BackendError, Generation, Prompt
+from .chat_template import ChatRenderer
+from .choices import ChoiceDecision, ChoicesMethod, TokenLogprobs
+from .http_client import DEFAULT_TIMEOUT_S, HttpClient
+from .sampling import SglSamplingParams
+from .tokenizer import load_client_tokenizer
 
 _OPENAI_NAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens"}
 # Sampling fields OpenAI-compatible servers take under the same name (SGLang's extras too).

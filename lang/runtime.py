@@ -25,11 +25,11 @@ import time
 import urllib.request
 from typing import Any, Iterator
 
-from radixlm.backend import Backend, Generation, Prompt
-from radixlm.chat_template import ChatRenderer
-from radixlm.choices import ChoiceDecision, ChoicesMethod
-from radixlm.runtime_endpoint import RuntimeEndpoint
-from radixlm.sampling import SglSamplingParams
+from .backend import Backend, Generation, Prompt
+from .chat_template import ChatRenderer
+from .choices import ChoiceDecision, ChoicesMethod
+from .runtime_endpoint import RuntimeEndpoint
+from .sampling import SglSamplingParams
 
 logger = logging.getLogger(__name__)
 

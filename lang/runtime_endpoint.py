@@ -24,12 +24,12 @@ import logging
 import threading
 from typing import Any, Iterator
 
-from radixlm.backend import Backend, BackendError, Generation, Prompt
-from radixlm.chat_template import ChatRenderer
-from radixlm.choices import ChoiceDecision, ChoicesMethod, TokenLogprobs
-from radixlm.http_client import DEFAULT_TIMEOUT_S, HttpClient, HttpStatusError
-from radixlm.sampling import SglSamplingParams
-from radixlm.tokenizer import ClientTokenizer, load_client_tokenizer, render_chat_template
+from .backend import Backend, BackendError, Generation, Prompt
+from .chat_template import ChatRenderer
+from .choices import ChoiceDecision, ChoicesMethod, TokenLogprobs
+from .http_client import DEFAULT_TIMEOUT_S, HttpClient, HttpStatusError
+from .sampling import SglSamplingParams
+from .tokenizer import ClientTokenizer, load_client_tokenizer, render_chat_template
 
 logger = logging.getLogger(__name__)
 

@@ -5,11 +5,11 @@ from __future__ import annotations
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator
 
-from radixlm.interpreter import StreamExecutor
-from radixlm.ir import Expr, ExprLike, RoleBegin, RoleEnd, VarScopeBegin, VarScopeEnd, as_expr
-from radixlm.ir import assistant as _assistant
-from radixlm.ir import system as _system
-from radixlm.ir import user as _user
+from .interpreter import StreamExecutor
+from .ir import Expr, ExprLike, RoleBegin, RoleEnd, VarScopeBegin, VarScopeEnd, as_expr
+from .ir import assistant as _assistant
+from .ir import system as _system
+from .ir import user as _user
 
 
 class ProgramState:

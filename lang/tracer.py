@@ -13,12 +13,12 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
-from radixlm.backend import Backend, Generation, Prompt
-from radixlm.chat_template import ChatRenderer
-from radixlm.choices import ChoiceDecision, ChoicesMethod
-from radixlm.interpreter import StreamExecutor
-from radixlm.sampling import SglSamplingParams
-from radixlm.state import ProgramState
+from .backend import Backend, Generation, Prompt
+from .chat_template import ChatRenderer
+from .choices import ChoiceDecision, ChoicesMethod
+from .interpreter import StreamExecutor
+from .sampling import SglSamplingParams
+from .state import ProgramState
 
 logger = logging.getLogger(__name__)
 

@@ -23,7 +23,7 @@ import itertools
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 
-from radixlm.radix.prefix import common_prefix_len
+from .prefix import common_prefix_len
 
 __all__ = ["MatchResult", "RadixCache", "TreeNode"]
 

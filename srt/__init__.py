@@ -10,15 +10,15 @@ __all__ = ["Engine", "ServerArgs", "SamplingParams"]
 def __getattr__(name: str) -> Any:
     # Lazy: `import radixlm.srt` stays cheap for clients that never load torch.
     if name == "Engine":
-        from radixlm.srt.engine import Engine
+        from .engine import Engine
 
         return Engine
     if name == "ServerArgs":
-        from radixlm.srt.server_args import ServerArgs
+        from .server_args import ServerArgs
 
         return ServerArgs
     if name == "SamplingParams":
-        from radixlm.srt.sampling_params import SamplingParams
+        from .sampling_params import SamplingParams
 
         return SamplingParams
     raise AttributeError(name)

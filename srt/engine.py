@@ -9,13 +9,13 @@ from typing import Any
 
 import torch
 
-from radixlm.srt.intake import Intake
-from radixlm.srt.io_struct import TokenizedGenerateReq
-from radixlm.srt.results import LogprobRecord, Progress, final_text, result
-from radixlm.srt.scheduler.request import Req
-from radixlm.srt.scheduler.scheduler import Scheduler
-from radixlm.srt.server_args import ServerArgs
-from radixlm.srt.tp_launch import LocalRanks
+from .intake import Intake
+from .io_struct import TokenizedGenerateReq
+from .results import LogprobRecord, Progress, final_text, result
+from .scheduler.request import Req
+from .scheduler.scheduler import Scheduler
+from .server_args import ServerArgs
+from .tp_launch import LocalRanks
 
 logger = logging.getLogger(__name__)
 
@@ -24,9 +24,9 @@ class Engine:
     """`Engine(model_path=None, **server_args)`; `model_path=None` is the embedded default model."""
 
     def __init__(self, model_path: str | None = None, **server_args: Any):
-        from radixlm.srt.executor.model_loader import load_model
+        from .executor.model_loader import load_model
 
-        from radixlm.srt.executor import parallel
+        from .executor import parallel
 
         self.server_args = ServerArgs.from_kwargs(model_path=model_path, **server_args)
         args = self.server_args
@@ -101,7 +101,7 @@ class Engine:
 
     def shutdown(self) -> None:
         if self._ranks is not None:
-            from radixlm.srt.executor import parallel
+            from .executor import parallel
 
             self.scheduler.engine.runner.step_sender.stop()
             parallel.shutdown()  # the other ranks tear down with it, then exit

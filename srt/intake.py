@@ -12,8 +12,8 @@ import dataclasses
 import uuid
 from typing import Any
 
-from radixlm.srt.io_struct import TokenizedGenerateReq
-from radixlm.srt.sampling_params import SamplingParams
+from .io_struct import TokenizedGenerateReq
+from .sampling_params import SamplingParams
 
 MAX_TOP_LOGPROBS = 64  # top-k alternatives per token; each costs a top-k over the vocabulary
 # Integers travel to the scheduler over msgpack as signed 64-bit values; a larger one would fail

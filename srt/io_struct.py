@@ -15,7 +15,7 @@ from typing import Any
 
 import msgpack
 
-from radixlm.srt.sampling_params import SamplingParams
+from .sampling_params import SamplingParams
 
 
 @dataclass(frozen=True)

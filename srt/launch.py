@@ -17,9 +17,9 @@ from typing import Any
 
 import zmq
 
-from radixlm.srt import io_struct
-from radixlm.srt.process_utils import bind_port, show_progress_bars_in_log, stage
-from radixlm.srt.server_args import ServerArgs
+from . import io_struct
+from .process_utils import bind_port, show_progress_bars_in_log, stage
+from .server_args import ServerArgs
 
 logger = logging.getLogger("radixlm.launch")
 
@@ -110,8 +110,8 @@ def _wait_ready(ready: zmq.Socket, children: _Children, names: set[str]) -> dict
 def _local_tokenizer_dir(args: ServerArgs) -> str | None:
     """The tokenizer's local directory when nothing must be converted or fetched first: a
     directory, or a GGUF that an earlier run converted (the embedded default model included)."""
-    from radixlm.srt.executor.default_model import default_model_path
-    from radixlm.srt.executor.gguf_loader import converted_dir, converted_tokenizer_dir
+    from .executor.default_model import default_model_path
+    from .executor.gguf_loader import converted_dir, converted_tokenizer_dir
 
     try:
         model = args.model_path or default_model_path()
@@ -129,7 +129,7 @@ def _local_tokenizer_dir(args: ServerArgs) -> str | None:
 def launch_server(args: ServerArgs, served_model_name: str | None = None, log_level: str = "info") -> int:
     """Runs the server until SIGINT/SIGTERM (returns 0) or a child process dies (returns 1)."""
     if args.node_rank > 0:  # tensor-parallel ranks only; node 0 serves
-        from radixlm.srt.tp_launch import serve_follower_node
+        from .tp_launch import serve_follower_node
 
         return serve_follower_node(args)
     try:
@@ -146,11 +146,11 @@ def launch_server(args: ServerArgs, served_model_name: str | None = None, log_le
 def _launch(args: ServerArgs, sock: Any, served_model_name: str | None, log_level: str) -> int:
     # Only what starting the children needs is imported before they start: torch and the HTTP
     # stack take seconds to import, and the children need not wait for them.
-    from radixlm.srt.detokenizer.process import run_detokenizer_process
-    from radixlm.srt.scheduler.process import run_scheduler_process
+    from .detokenizer.process import run_detokenizer_process
+    from .scheduler.process import run_scheduler_process
 
     def read_meta():
-        from radixlm.srt.executor.model_loader import load_model
+        from .executor.model_loader import load_model
 
         meta = load_model(args.model_path, load_format=args.load_format, tokenizer_path=args.tokenizer_path,
                           with_weights=False)
@@ -166,7 +166,7 @@ def _launch(args: ServerArgs, sock: Any, served_model_name: str | None, log_leve
     # otherwise: a GGUF is converted once, and a hub model is fetched once, before the children
     # race for them.
     if args.tp_size > 1:
-        from radixlm.srt.executor.parallel import check_devices
+        from .executor.parallel import check_devices
 
         try:
             check_devices(args)
@@ -191,7 +191,7 @@ def _launch(args: ServerArgs, sock: Any, served_model_name: str | None, log_leve
         starting = {"scheduler", "detokenizer"}
         addr = None
         if args.tp_size > 1:
-            from radixlm.srt.tp_launch import dist_addr, start_node_ranks
+            from .tp_launch import dist_addr, start_node_ranks
 
             addr = dist_addr(args)
             starting |= start_node_ranks(children, args, addr, skip_rank0=True)
@@ -215,11 +215,11 @@ def _launch(args: ServerArgs, sock: Any, served_model_name: str | None, log_leve
     stage(f"model loaded in {time.perf_counter() - started:.1f}s; warming up")
     import uvicorn
 
-    from radixlm.srt.server.chat import ChatOptions
-    from radixlm.srt.server.http_server import ServerState, create_app
-    from radixlm.srt.server.lifecycle import Server
-    from radixlm.srt.server.openai_api import register_openai_routes
-    from radixlm.srt.server.tokenizer_manager import TokenizerManager
+    from .server.chat import ChatOptions
+    from .server.http_server import ServerState, create_app
+    from .server.lifecycle import Server
+    from .server.openai_api import register_openai_routes
+    from .server.tokenizer_manager import TokenizerManager
 
     args = dataclasses.replace(args, **info["device_defaults"])
 
@@ -249,7 +249,7 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=ns.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     show_progress_bars_in_log()
     if args.dp_size > 1:  # replicas behind the cache-aware router
-        from radixlm.srt.router.dp_launcher import launch_dp
+        from .router.dp_launcher import launch_dp
 
         sys.exit(launch_dp(args, ns))
     sys.exit(launch_server(args, ns.served_model_name, ns.log_level))
@@ -271,7 +271,7 @@ def cli() -> None:
         print(_USAGE, end="")
         sys.exit(0)
     if argv and argv[0] == "router":
-        from radixlm.srt.router.cli import main as router_main
+        from .router.cli import main as router_main
 
         router_main(argv[1:])
     if not argv or argv[0] != "serve":

@@ -7,9 +7,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from radixlm.srt.detokenizer.incremental import IncrementalDetokenizer
-from radixlm.srt.io_struct import TokenizedGenerateReq
-from radixlm.srt.sampling_params import SamplingParams
+from .detokenizer.incremental import IncrementalDetokenizer
+from .io_struct import TokenizedGenerateReq
+from .sampling_params import SamplingParams
 
 
 @dataclass

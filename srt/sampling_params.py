@@ -8,7 +8,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from radixlm.srt.constrained.spec import GrammarSpec, check_json_schema, check_syntax
+from .constrained.spec import GrammarSpec, check_json_schema, check_syntax
 
 # At most one of these constrains a request's output.
 CONSTRAINT_FIELDS = ("regex", "json_schema", "ebnf", "choices")

@@ -128,7 +128,7 @@ class ServerArgs:
         if self.chat_template is not None and not os.path.isfile(self.chat_template):
             raise ValueError(f"chat_template: no file at {self.chat_template!r}")
         if self.tool_call_parser is not None or self.reasoning_parser is not None:
-            from radixlm.srt.server.chat import ChatOptions
+            from .server.chat import ChatOptions
 
             ChatOptions(self.tool_call_parser, self.reasoning_parser)  # raises naming an unknown parser
         if self.speculative_algorithm is not None:

@@ -15,7 +15,7 @@ import socket
 import time
 from typing import Any
 
-from radixlm.srt.server_args import ServerArgs
+from .server_args import ServerArgs
 
 logger = logging.getLogger("radixlm.launch")
 
@@ -31,7 +31,7 @@ def dist_addr(args: ServerArgs) -> str:
 def start_node_ranks(children: Any, args: ServerArgs, addr: str, skip_rank0: bool) -> set[str]:
     """Starts this node's ranks (rank 0 excepted on node 0: it is the scheduler process);
     returns the names their ready signals carry."""
-    from radixlm.srt.executor.tp_follower import follower_name, run_tp_follower_process
+    from .executor.tp_follower import follower_name, run_tp_follower_process
 
     per_node = args.tp_size // args.nnodes
     names = set()
@@ -51,8 +51,8 @@ class LocalRanks:
     def __init__(self, args: ServerArgs):
         import zmq
 
-        from radixlm.srt.executor import parallel
-        from radixlm.srt.launch import _Children
+        from .executor import parallel
+        from .launch import _Children
 
         if args.nnodes > 1:
             raise ValueError("nnodes: an Engine runs on one node; serve several with `radixlm serve --nnodes`")
@@ -66,7 +66,7 @@ class LocalRanks:
         self._names = start_node_ranks(self.children, args, self.addr, skip_rank0=True)
 
     def wait_ready(self) -> None:
-        from radixlm.srt.launch import _wait_ready
+        from .launch import _wait_ready
 
         _wait_ready(self._ready, self.children, set(self._names))
 
@@ -84,9 +84,9 @@ def serve_follower_node(args: ServerArgs) -> int:
     """A node other than 0: runs its ranks until they stop (0), one fails (1) or a signal."""
     import zmq
 
-    from radixlm.srt.executor import parallel
-    from radixlm.srt.launch import _Children, _wait_ready
-    from radixlm.srt.process_utils import stage
+    from .executor import parallel
+    from .launch import _Children, _wait_ready
+    from .process_utils import stage
 
     try:
         parallel.check_devices(args)

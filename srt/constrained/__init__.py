@@ -1,5 +1,5 @@
 """Structured generation: grammar specs, their compilation, per-request matchers, jump-forward."""
 
-from radixlm.srt.constrained.spec import GrammarSpec, check_json_schema, check_syntax
+from .spec import GrammarSpec, check_json_schema, check_syntax
 
 __all__ = ["GrammarSpec", "check_json_schema", "check_syntax"]

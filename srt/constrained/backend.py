@@ -6,7 +6,7 @@ from __future__ import annotations
 import abc
 from typing import TYPE_CHECKING, Any
 
-from radixlm.srt.constrained.spec import GrammarSpec
+from .spec import GrammarSpec
 
 if TYPE_CHECKING:  # the scheduler's side of grammars runs without torch
     import torch

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-from radixlm.srt.constrained.grammar_cache import GrammarCache
-from radixlm.srt.scheduler.request import FinishReason, Req
+from ..scheduler.request import FinishReason, Req
+from .grammar_cache import GrammarCache
 
 
 class ConstrainedDecoding:
@@ -24,8 +24,8 @@ class ConstrainedDecoding:
 
     def _make_backend(self):
         """Runs in the compile worker on first use: both take a second or so to build."""
-        from radixlm.srt.constrained.jump_forward import JumpForward
-        from radixlm.srt.constrained.xgrammar_backend import XGrammarBackend
+        from .jump_forward import JumpForward
+        from .xgrammar_backend import XGrammarBackend
 
         self._jump = JumpForward(self.tokenizer)
         return XGrammarBackend(self.tokenizer, self.vocab_size, self.stop_token_ids)

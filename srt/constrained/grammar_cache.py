@@ -11,8 +11,8 @@ from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable
 
-from radixlm.srt.constrained.backend import GrammarBackend
-from radixlm.srt.constrained.spec import GrammarSpec
+from .backend import GrammarBackend
+from .spec import GrammarSpec
 
 CACHE_ENTRIES = 64  # compiled grammars kept here; a big regex compiles to a few MB
 

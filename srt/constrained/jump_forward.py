@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from radixlm.srt.constrained.backend import GrammarMatcher
+from .backend import GrammarMatcher
 
 
 class JumpForward:

@@ -87,7 +87,7 @@ def check_syntax(spec: GrammarSpec, field: str) -> None:
     parser's message."""
     import xgrammar
 
-    from radixlm.srt.constrained.xgrammar_backend import JSON_FORMAT
+    from .xgrammar_backend import JSON_FORMAT
 
     try:
         if spec.kind == "regex":

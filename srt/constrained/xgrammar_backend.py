@@ -8,8 +8,8 @@ from typing import Any, Sequence
 import torch
 import xgrammar
 
-from radixlm.srt.constrained.backend import GrammarBackend, GrammarMatcher
-from radixlm.srt.constrained.spec import GrammarSpec, choices_to_ebnf
+from .backend import GrammarBackend, GrammarMatcher
+from .spec import GrammarSpec, choices_to_ebnf
 
 # JSON output is one line with ", " and ": " separators: whitespace cannot run away until
 # max_tokens, and keys and punctuation become fixed text that jump-forward can skip.

@@ -16,10 +16,10 @@ from typing import Any
 
 import zmq
 
-from radixlm.srt import io_struct
-from radixlm.srt.detokenizer.incremental import IncrementalDetokenizer
-from radixlm.srt.io_struct import BatchTextOut, BatchTokenOut, ReadySignal, ReqOutput, ReqTextOutput
-from radixlm.srt.process_utils import exit_when_parent_dies
+from .. import io_struct
+from ..io_struct import BatchTextOut, BatchTokenOut, ReadySignal, ReqOutput, ReqTextOutput
+from ..process_utils import exit_when_parent_dies
+from .incremental import IncrementalDetokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -95,7 +95,7 @@ def run_detokenizer_process(tokenizer_dir: str, recv_addr: str, send_addr: str, 
         ready = open_socket(zmq.PUSH, _READY_LINGER_MS)
         ready.connect(ready_addr)
         try:
-            from radixlm.srt.detokenizer.text_decoder import load_decoder
+            from .text_decoder import load_decoder
 
             manager = DetokenizerManager(load_decoder(tokenizer_dir))
             recv_sock = open_socket(zmq.PULL)

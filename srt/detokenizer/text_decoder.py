@@ -46,7 +46,7 @@ def load_decoder(tokenizer_dir: str) -> Any:
     decoder = rust_decoder(tokenizer_dir)
     if decoder is not None:
         return decoder
-    from radixlm.srt.executor.model_loader import load_tokenizer
+    from ..executor.model_loader import load_tokenizer
 
     return load_tokenizer(tokenizer_dir)
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from radixlm.srt.executor.forward_batch import ForwardBatch, ForwardMode
-from radixlm.srt.scheduler.step_plan import ExtendPlan
+from ..scheduler.step_plan import ExtendPlan
+from .forward_batch import ForwardBatch, ForwardMode
 
 
 def build_extend_batch(plans: list[ExtendPlan], device: torch.device) -> ForwardBatch:

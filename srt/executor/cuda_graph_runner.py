@@ -20,8 +20,8 @@ import time
 
 import torch
 
-from radixlm.srt.executor.attention.base import DEFAULT_GRAPH_VARIANT, AttentionBackend, missing_cuda_graph_hooks
-from radixlm.srt.executor.forward_batch import ForwardBatch
+from .attention.base import DEFAULT_GRAPH_VARIANT, AttentionBackend, missing_cuda_graph_hooks
+from .forward_batch import ForwardBatch
 
 logger = logging.getLogger(__name__)
 

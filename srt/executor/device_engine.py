@@ -14,18 +14,18 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import torch
 
-from radixlm.srt.constrained.backend import GrammarBackend
-from radixlm.srt.executor.batch_builder import (build_decode_batch, build_extend_batch, build_verify_batch,
-                                                keeps_every_row)
-from radixlm.srt.executor.grammar_mask import apply_draft_grammar_masks, apply_grammar_masks
-from radixlm.srt.executor.logprobs import input_logprobs, output_logprobs
-from radixlm.srt.executor.model_runner import ModelRunner, kv_slots_for
-from radixlm.srt.executor.sampler import apply_penalties, sample
-from radixlm.srt.executor.speculative import verify_drafts
-from radixlm.srt.executor.token_transfer import TokenTransfer
-from radixlm.srt.scheduler.request import Req
-from radixlm.srt.scheduler.step_plan import PendingStep, StepPlan, StepResult
-from radixlm.srt.server_args import ServerArgs
+from ..constrained.backend import GrammarBackend
+from ..scheduler.request import Req
+from ..scheduler.step_plan import PendingStep, StepPlan, StepResult
+from ..server_args import ServerArgs
+from .batch_builder import (build_decode_batch, build_extend_batch, build_verify_batch,
+                            keeps_every_row)
+from .grammar_mask import apply_draft_grammar_masks, apply_grammar_masks
+from .logprobs import input_logprobs, output_logprobs
+from .model_runner import ModelRunner, kv_slots_for
+from .sampler import apply_penalties, sample
+from .speculative import verify_drafts
+from .token_transfer import TokenTransfer
 
 
 # A verify step runs as a decode batch of one row per token (CUDA graphs) up to this many rows,
@@ -41,7 +41,7 @@ class DeviceEngine:
         """Token slots the KV pool can hold (--max-total-tokens, or what the device has room for;
         with a draft model, each slot holds both models' K/V)."""
         if args.speculative_algorithm == "draft":
-            from radixlm.srt.executor.draft_model import kv_slots_with_draft
+            from .draft_model import kv_slots_with_draft
 
             return kv_slots_with_draft(config, args)
         return kv_slots_for(config, args)
@@ -53,7 +53,7 @@ class DeviceEngine:
         self.runner = ModelRunner(loaded, args, torch.from_numpy(req_to_token), num_kv_slots)
         self.draft = None  # draft-model speculation: its own KV pool, the same slots
         if args.speculative_algorithm == "draft":
-            from radixlm.srt.executor.draft_model import DraftModel
+            from .draft_model import DraftModel
 
             self.draft = DraftModel(loaded, args, torch.from_numpy(req_to_token), num_kv_slots)
         self.eos_ids = tuple(eos_ids)

@@ -20,24 +20,24 @@ from typing import Callable
 
 import torch
 
-from radixlm.srt.constrained.backend import GrammarBackend
-from radixlm.srt.constrained.decoding import valid_draft_len
-from radixlm.srt.executor.batch_builder import build_extend_batch, build_token_batch
-from radixlm.srt.executor.forward_batch import ForwardBatch
-from radixlm.srt.executor.mem_pool import KVPool, kv_cache_torch_dtype
-from radixlm.srt.executor.model_runner import ModelRunner, kv_slots_for, model_bytes, rank_config
-from radixlm.srt.executor.parallel import TensorParallel
-from radixlm.srt.executor.sampler import filter_probs, make_generator
-from radixlm.srt.scheduler.request import Req
-from radixlm.srt.scheduler.step_plan import StepPlan
-from radixlm.srt.server_args import ServerArgs
+from ..constrained.backend import GrammarBackend
+from ..constrained.decoding import valid_draft_len
+from ..scheduler.request import Req
+from ..scheduler.step_plan import StepPlan
+from ..server_args import ServerArgs
+from .batch_builder import build_extend_batch, build_token_batch
+from .forward_batch import ForwardBatch
+from .mem_pool import KVPool, kv_cache_torch_dtype
+from .model_runner import ModelRunner, kv_slots_for, model_bytes, rank_config
+from .parallel import TensorParallel
+from .sampler import filter_probs, make_generator
 
 logger = logging.getLogger(__name__)
 
 
 def load_draft_model(args: ServerArgs, target=None, with_weights: bool = True):
     """The draft model, checked against the target's vocabulary when `target` is given."""
-    from radixlm.srt.executor.model_loader import load_model
+    from .model_loader import load_model
 
     draft = load_model(args.speculative_draft_model_path, dtype=args.resolved_dtype(),
                        load_format="dummy" if args.load_format == "dummy" else "auto",

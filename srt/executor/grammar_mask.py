@@ -6,8 +6,8 @@ from typing import Sequence
 
 import torch
 
-from radixlm.srt.constrained.backend import GrammarBackend
-from radixlm.srt.scheduler.request import Req
+from ..constrained.backend import GrammarBackend
+from ..scheduler.request import Req
 
 
 def apply_grammar_masks(logits: torch.Tensor, reqs: Sequence[Req], backend: GrammarBackend) -> None:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from radixlm.srt.scheduler.request import Req
-from radixlm.srt.scheduler.step_plan import TokenLogprob
+from ..scheduler.request import Req
+from ..scheduler.step_plan import TokenLogprob
 
 
 def _top(logprobs: torch.Tensor, k: int) -> list[tuple[float, int]]:

@@ -36,7 +36,7 @@ class KVPool:
             self._store_fp8(layer_id, slots, k, v)
             return
         if self._triton_store and k.dtype == dtype and v.dtype == dtype:
-            from radixlm.srt.executor.models.triton_ops import store_kv
+            from .models.triton_ops import store_kv
 
             store_kv(self.k_buffers[layer_id], self.v_buffers[layer_id], slots, k, v)
             return
@@ -47,7 +47,7 @@ class KVPool:
     def _store_fp8(self, layer_id: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         k_buf, v_buf = self.k_buffers[layer_id], self.v_buffers[layer_id]
         if self._triton_store:  # quantize and scatter in one launch
-            from radixlm.srt.executor.quantization.fp8_triton import store_kv_fp8
+            from .quantization.fp8_triton import store_kv_fp8
 
             store_kv_fp8(k_buf, v_buf, slots, k, v, self.k_scale, self.v_scale)
             return
@@ -65,7 +65,7 @@ class KVPool:
                          k: torch.Tensor, v: torch.Tensor, cos_cache: torch.Tensor, sin_cache: torch.Tensor) -> None:
         """Rotates q and k in place (rotate-half, the caches' rows at `positions`) and stores k and
         v at `slots`, in one launch (triton_ops.rotary_store_kv); see fuses_rotary."""
-        from radixlm.srt.executor.models.triton_ops import rotary_store_kv
+        from .models.triton_ops import rotary_store_kv
 
         rotary_store_kv(positions, q, k, v, cos_cache, sin_cache, self.k_buffers[layer_id], self.v_buffers[layer_id],
                         slots, self.k_scale, self.v_scale)

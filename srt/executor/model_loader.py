@@ -22,11 +22,11 @@ from typing import Any
 
 import torch
 
-from radixlm.srt.configs import ModelConfig
-from radixlm.srt.executor.default_model import DEFAULT_MODEL_SHA256, default_model_path  # noqa: F401 (re-exported)
-from radixlm.srt.executor.gguf_loader import convert_gguf, convert_gguf_tokenizer
-from radixlm.srt.executor.quantization.checkpoint import checkpoint_quantization
-from radixlm.srt.executor.models.sharding import Piece, ShardPlan
+from ..configs import ModelConfig
+from .default_model import DEFAULT_MODEL_SHA256, default_model_path  # noqa: F401 (re-exported)
+from .gguf_loader import convert_gguf, convert_gguf_tokenizer
+from .models.sharding import Piece, ShardPlan
+from .quantization.checkpoint import checkpoint_quantization
 
 logger = logging.getLogger(__name__)
 
@@ -143,8 +143,8 @@ def load_tokenizer(path: str | os.PathLike[str]) -> Any:
 
 def weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     """HF parameter names and shapes of a checkpoint of this config's family (models/checkpoint.py)."""
-    from radixlm.srt.executor.models.checkpoint import hf_weight_shapes
-    from radixlm.srt.executor.models.registry import model_class
+    from .models.checkpoint import hf_weight_shapes
+    from .models.registry import model_class
 
     return hf_weight_shapes(config, model_class(config).family)
 
@@ -162,7 +162,7 @@ class DummyWeights(Mapping[str, torch.Tensor]):
     not a second copy of them all: Mixtral-8x7B (93 GB in bf16) fits one H200 only so."""
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device, seed: int):
-        from radixlm.srt.executor.models.registry import model_class
+        from .models.registry import model_class
 
         self.shapes = weight_shapes(config)
         self.dtype, self.device, self.seed = dtype, device, seed

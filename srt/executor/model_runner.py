@@ -9,17 +9,17 @@ import time
 
 import torch
 
-from radixlm.srt.executor.attention.base import AttentionBackend
-from radixlm.srt.executor.attention.layer_spec import check_backend_supports, layer_specs
-from radixlm.srt.configs import ModelConfig
-from radixlm.srt.executor.forward_batch import ForwardBatch
-from radixlm.srt.executor.mem_pool import KVPool, kv_cache_torch_dtype
-from radixlm.srt.executor.models.registry import model_class
-from radixlm.srt.executor.quantization import apply_quantization
-from radixlm.srt.executor.models.sharding import ShardPlan
-from radixlm.srt.executor.models.ops import select_ops
-from radixlm.srt.executor import parallel
-from radixlm.srt.server_args import ServerArgs
+from ..configs import ModelConfig
+from ..server_args import ServerArgs
+from . import parallel
+from .attention.base import AttentionBackend
+from .attention.layer_spec import check_backend_supports, layer_specs
+from .forward_batch import ForwardBatch
+from .mem_pool import KVPool, kv_cache_torch_dtype
+from .models.ops import select_ops
+from .models.registry import model_class
+from .models.sharding import ShardPlan
+from .quantization import apply_quantization
 
 logger = logging.getLogger(__name__)
 
@@ -83,7 +83,7 @@ class ModelRunner:
         self.graph_runner = self._make_graph_runner(req_to_token)
         self.step_sender = None
         if self.tp.enabled and self.tp.rank == 0:
-            from radixlm.srt.executor.step_broadcast import StepSender
+            from .step_broadcast import StepSender
 
             self.step_sender = StepSender(self.tp, req_to_token.numpy(), self.device)
         logger.info("model ready on %s (%s, %s attention, %s ops, CUDA graphs %s) in %.1fs, %d KV slots",
@@ -97,11 +97,11 @@ class ModelRunner:
                              self.args.context_length or cfg.context_len)
         cascade = not self.args.disable_cascade_attention
         if self.attention_backend_name == "torch_native":
-            from radixlm.srt.executor.attention.torch_native import TorchNativeBackend
+            from .attention.torch_native import TorchNativeBackend
 
             check_backend_supports(TorchNativeBackend, layers, cfg.architecture)
             return TorchNativeBackend(self.kv_pool, req_to_token, cfg.attention_scale, cascade=cascade, layers=layers)
-        from radixlm.srt.executor.attention.flashinfer_backend import FlashInferBackend
+        from .attention.flashinfer_backend import FlashInferBackend
 
         check_backend_supports(FlashInferBackend, layers, cfg.architecture)
         local = self.model.config
@@ -112,7 +112,7 @@ class ModelRunner:
         # The backend says whether it can be captured (torch_native cannot); no name checks here.
         if self.args.disable_cuda_graph or not self.attn_backend.supports_cuda_graph:
             return None
-        from radixlm.srt.executor.cuda_graph_runner import CudaGraphRunner
+        from .cuda_graph_runner import CudaGraphRunner
 
         max_bs = min(self.args.cuda_graph_max_bs, self.args.max_running_requests)
         max_pages_per_req = -(-req_to_token.shape[1] // self.args.page_size)
@@ -188,10 +188,10 @@ def rank_config(config: ModelConfig) -> ModelConfig:
 
 
 def model_bytes(config: ModelConfig, dtype: torch.dtype, quantization: str | None = None) -> int:
-    from radixlm.srt.executor.model_loader import weight_shapes
+    from .model_loader import weight_shapes
 
     if quantization == "fp8":
-        from radixlm.srt.executor.quantization.fp8 import fp8_weight_bytes
+        from .quantization.fp8 import fp8_weight_bytes
 
         return fp8_weight_bytes(weight_shapes(config), dtype)
     numel = sum(math.prod(shape) for shape in weight_shapes(config).values())

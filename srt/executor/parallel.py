@@ -23,7 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from radixlm.srt.server_args import split_addr
+from ..server_args import split_addr
 
 logger = logging.getLogger(__name__)
 

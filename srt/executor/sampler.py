@@ -11,7 +11,7 @@ from typing import Protocol, Sequence
 
 import torch
 
-from radixlm.srt.sampling_params import SamplingParams
+from ..sampling_params import SamplingParams
 
 
 class SamplingRequest(Protocol):

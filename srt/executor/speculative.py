@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import torch
 
-from radixlm.srt.executor.sampler import filter_probs, make_generator
-from radixlm.srt.scheduler.request import Req
+from ..scheduler.request import Req
+from .sampler import filter_probs, make_generator
 
 
 def verify_drafts(req: Req, logits: torch.Tensor, drafts: list[int], draft_probs: torch.Tensor | None = None) -> list[int]:

@@ -30,8 +30,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from radixlm.srt.executor.forward_batch import ForwardBatch, ForwardMode
-from radixlm.srt.executor.parallel import TensorParallel
+from .forward_batch import ForwardBatch, ForwardMode
+from .parallel import TensorParallel
 
 _HEADER = 6  # kind, mode, tokens, requests, logit rows, table entries
 HEARTBEAT_S = 1.0

@@ -15,10 +15,10 @@ import numpy as np
 import torch
 import zmq
 
-from radixlm.srt import io_struct
-from radixlm.srt.io_struct import ReadySignal
-from radixlm.srt.process_utils import exit_when_parent_dies
-from radixlm.srt.server_args import ServerArgs
+from .. import io_struct
+from ..io_struct import ReadySignal
+from ..process_utils import exit_when_parent_dies
+from ..server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
 
@@ -57,11 +57,11 @@ def run_tp_follower_process(server_args: dict[str, Any], rank: int, local_rank: 
 
 
 def _start(args: ServerArgs, rank: int, local_rank: int, dist_addr: str):
-    from radixlm.srt.executor import parallel
-    from radixlm.srt.executor.model_loader import load_model
-    from radixlm.srt.executor.model_runner import ModelRunner, kv_slots_for
-    from radixlm.srt.executor.step_broadcast import StepReceiver
-    from radixlm.srt.scheduler.kv_memory import PageAllocator
+    from ..scheduler.kv_memory import PageAllocator
+    from . import parallel
+    from .model_loader import load_model
+    from .model_runner import ModelRunner, kv_slots_for
+    from .step_broadcast import StepReceiver
 
     device = parallel.prepare_rank(args, local_rank)
     args = args.with_device_defaults()  # as rank 0's Scheduler does: the same table rows
@@ -78,8 +78,8 @@ def _start(args: ServerArgs, rank: int, local_rank: int, dist_addr: str):
 
 
 def follow(runner, receiver) -> None:
-    from radixlm.srt.executor import parallel
-    from radixlm.srt.executor.step_broadcast import Kind
+    from . import parallel
+    from .step_broadcast import Kind
 
     while True:
         kind, batch = receiver.receive()

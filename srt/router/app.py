@@ -20,11 +20,11 @@ import orjson
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from radixlm.srt.router import request_keys
-from radixlm.srt.router.proxy import Proxy, forward_headers
-from radixlm.srt.router.workers import Worker, WorkerPool, describe_error, error_message
-from radixlm.srt.server.errors import error_response
-from radixlm.srt.server.guard import OPEN_PATHS, bearer_token, run_with_body_cap
+from ..server.errors import error_response
+from ..server.guard import OPEN_PATHS, bearer_token, run_with_body_cap
+from . import request_keys
+from .proxy import Proxy, forward_headers
+from .workers import Worker, WorkerPool, describe_error, error_message
 
 _ANY_WORKER_GET = ("/v1/models", "/v1/models/{model_id:path}", "/get_model_info", "/health_generate")
 _ANY_WORKER_POST = ("/tokenize", "/v1/tokenize")
@@ -204,7 +204,7 @@ def create_router_app(pool: WorkerPool, proxy: Proxy, policy_name: str, api_key:
 
     @app.get("/metrics")
     async def metrics_route() -> Response:
-        from radixlm.srt.router.worker_metrics import merge_worker_metrics
+        from .worker_metrics import merge_worker_metrics
 
         metrics.healthy.set(len(pool.healthy()))
         answers = await each_worker("GET", "/metrics", b"", pool.auth_headers)

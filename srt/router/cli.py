@@ -17,12 +17,12 @@ from typing import Awaitable, Callable
 import httpx
 import uvicorn
 
-from radixlm.srt.process_utils import bind_port, stage
-from radixlm.srt.router.app import create_router_app
-from radixlm.srt.router.policy import POLICIES, make_policy
-from radixlm.srt.router.proxy import Proxy
-from radixlm.srt.router.worker_metrics import RouterMetrics
-from radixlm.srt.router.workers import WorkerPool
+from ..process_utils import bind_port, stage
+from .app import create_router_app
+from .policy import POLICIES, make_policy
+from .proxy import Proxy
+from .worker_metrics import RouterMetrics
+from .workers import WorkerPool
 
 logger = logging.getLogger("radixlm.router")
 

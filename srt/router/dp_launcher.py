@@ -26,9 +26,9 @@ from typing import Any
 
 import httpx
 
-from radixlm.srt.process_utils import bind_port, stage
-from radixlm.srt.router.cli import RouterConfig, raise_open_files_limit, serve_router
-from radixlm.srt.server_args import ServerArgs
+from ..process_utils import bind_port, stage
+from ..server_args import ServerArgs
+from .cli import RouterConfig, raise_open_files_limit, serve_router
 
 logger = logging.getLogger("radixlm.dp")
 

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import itertools
 
-from radixlm.srt.router.prefix_tree import PrefixTree
-from radixlm.srt.router.workers import Worker
+from .prefix_tree import PrefixTree
+from .workers import Worker
 
 POLICIES = ("cache_aware", "round_robin", "least_load")
 

@@ -17,11 +17,11 @@ from typing import Any, AsyncIterator, Callable
 import httpx
 from fastapi.responses import Response
 
-from radixlm.srt.router.policy import LeastLoad
-from radixlm.srt.router.worker_metrics import RouterMetrics
-from radixlm.srt.router.workers import Worker, WorkerPool, describe_error, error_message
-from radixlm.srt.server.errors import error_body, error_response
-from radixlm.srt.server.streaming import SSE_DONE, EventStream, sse
+from ..server.errors import error_body, error_response
+from ..server.streaming import SSE_DONE, EventStream, sse
+from .policy import LeastLoad
+from .worker_metrics import RouterMetrics
+from .workers import Worker, WorkerPool, describe_error, error_message
 
 logger = logging.getLogger("radixlm.router")
 

@@ -11,15 +11,15 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
-from radixlm.radix import common_prefix_len
-from radixlm.srt.constrained.decoding import valid_draft_len
-from radixlm.srt.scheduler.ngram import propose_ngram
-from radixlm.srt.scheduler.request import FinishReason, Req
-from radixlm.srt.scheduler.step_plan import ExtendPlan, StepPlan
-from radixlm.srt.server_args import ServerArgs
+from ...radix import common_prefix_len
+from ..constrained.decoding import valid_draft_len
+from ..server_args import ServerArgs
+from .ngram import propose_ngram
+from .request import FinishReason, Req
+from .step_plan import ExtendPlan, StepPlan
 
 if TYPE_CHECKING:
-    from radixlm.srt.scheduler.scheduler import Scheduler
+    from .scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
 

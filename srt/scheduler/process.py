@@ -12,14 +12,14 @@ from typing import Any
 
 import zmq
 
-from radixlm.srt import io_struct
-from radixlm.srt.io_struct import (AbortReq, BatchTokenOut, ControlReply, ControlReq, ReadySignal, ReqOutput,
-                                   TokenizedGenerateReq)
-from radixlm.srt.scheduler.request import FinishReason, Req
-from radixlm.srt.sampling_params import SamplingParams
-from radixlm.srt.scheduler.scheduler import Scheduler
-from radixlm.srt.server_args import DEVICE_DEPENDENT_FIELDS, ServerArgs
-from radixlm.srt.process_utils import exit_when_parent_dies
+from .. import io_struct
+from ..io_struct import (AbortReq, BatchTokenOut, ControlReply, ControlReq, ReadySignal, ReqOutput,
+                         TokenizedGenerateReq)
+from ..process_utils import exit_when_parent_dies
+from ..sampling_params import SamplingParams
+from ..server_args import DEVICE_DEPENDENT_FIELDS, ServerArgs
+from .request import FinishReason, Req
+from .scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
 
@@ -180,9 +180,9 @@ def run_scheduler_process(server_args: dict[str, Any], recv_addr: str, send_addr
     ready.setsockopt(zmq.LINGER, 1000)
     ready.connect(ready_addr)
     try:
-        from radixlm.srt.executor.model_loader import load_model
+        from ..executor.model_loader import load_model
 
-        from radixlm.srt.executor import parallel
+        from ..executor import parallel
 
         args = ServerArgs(**server_args)
         device = parallel.prepare_rank(args, 0)

@@ -5,10 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from radixlm.srt.io_struct import TokenizedGenerateReq
-from radixlm.srt.scheduler.draft_pacing import DraftPacing
-from radixlm.srt.scheduler.ngram import TokenHistory
-from radixlm.srt.sampling_params import SamplingParams
+from ..io_struct import TokenizedGenerateReq
+from ..sampling_params import SamplingParams
+from .draft_pacing import DraftPacing
+from .ngram import TokenHistory
 
 
 @dataclass(frozen=True)

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from radixlm.radix import RadixCache
-from radixlm.srt.scheduler.kv_memory import PageAllocator, ReqToTokenTable
-from radixlm.srt.scheduler.request import Req
+from ...radix import RadixCache
+from .kv_memory import PageAllocator, ReqToTokenTable
+from .request import Req
 
 
 class RequestKV:

@@ -23,15 +23,15 @@ import logging
 from collections import deque
 from typing import Any, Callable
 
-from radixlm.radix import RadixCache
-from radixlm.srt.constrained.decoding import ConstrainedDecoding
-from radixlm.srt.scheduler.batch_planner import BatchPlanner
-from radixlm.srt.scheduler.finish import check_finished
-from radixlm.srt.scheduler.kv_memory import PageAllocator, ReqToTokenTable
-from radixlm.srt.scheduler.request import FinishReason, Req
-from radixlm.srt.scheduler.request_kv import RequestKV
-from radixlm.srt.scheduler.step_plan import PendingStep, StepEngine
-from radixlm.srt.server_args import ServerArgs
+from ...radix import RadixCache
+from ..constrained.decoding import ConstrainedDecoding
+from ..server_args import ServerArgs
+from .batch_planner import BatchPlanner
+from .finish import check_finished
+from .kv_memory import PageAllocator, ReqToTokenTable
+from .request import FinishReason, Req
+from .request_kv import RequestKV
+from .step_plan import PendingStep, StepEngine
 
 logger = logging.getLogger(__name__)
 
@@ -46,7 +46,7 @@ class Scheduler:
 
     def __init__(self, loaded, args: ServerArgs, engine_factory: Callable[..., StepEngine] | None = None):
         if engine_factory is None:
-            from radixlm.srt.executor.device_engine import DeviceEngine as engine_factory
+            from ..executor.device_engine import DeviceEngine as engine_factory
         self.args = args = args.with_device_defaults()
         self.config = loaded.config
         self.tokenizer = loaded.tokenizer

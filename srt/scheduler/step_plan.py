@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 if TYPE_CHECKING:
-    from radixlm.srt.scheduler.request import Req
+    from .request import Req
 
 # A token's logprob and its top alternatives: (logprob, token_id), [(logprob, token_id), ...].
 TokenLogprob = tuple[tuple[float, int], list[tuple[float, int]]]

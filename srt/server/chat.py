@@ -12,12 +12,12 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from radixlm.srt.server.tool_calls.parsers import (StreamingToolParser, ToolCall, default_parser_name, new_call_id,
-                                                   parser_for)
-from radixlm.srt.server.tool_calls.reasoning import (CLOSE, StreamingReasoning, check_parser, prompt_opens_think,
-                                                     split_reasoning)
-from radixlm.srt.server.tool_calls.requests import (ToolRequest, call_schema, check_tool_messages, check_tools,
-                                                    constrained_calls, render_inputs)
+from .tool_calls.parsers import (StreamingToolParser, ToolCall, default_parser_name, new_call_id,
+                                 parser_for)
+from .tool_calls.reasoning import (CLOSE, StreamingReasoning, check_parser, prompt_opens_think,
+                                   split_reasoning)
+from .tool_calls.requests import (ToolRequest, call_schema, check_tool_messages, check_tools,
+                                  constrained_calls, render_inputs)
 
 
 @dataclass(frozen=True)

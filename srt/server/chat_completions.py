@@ -15,16 +15,16 @@ from typing import Any, AsyncGenerator, AsyncIterator
 from fastapi import Request
 from fastapi.responses import Response
 
-from radixlm.srt.server.chat import ChatOptions, ChatTurn, after_reasoning, prepare_turn
-from radixlm.srt.server.openai_api import OpenAIServing
-from radixlm.srt.server.openai_common import (as_openai_error, check_fits, error_response, json_response, parse_body,
-                                              samples, tokenize)
-from radixlm.srt.server.openai_protocol import (ChatCompletionRequest, OpenAIError, chat_logprobs, choice,
-                                                finish_reason_of, logprob_entries)
-from radixlm.srt.server.openai_runner import Job, SampleRunner
-from radixlm.srt.server.run_to_end import run_to_end
-from radixlm.srt.server.streaming import SSE_DONE, EventStream, sse
-from radixlm.srt.server.tool_calls.reasoning import CLOSE
+from .chat import ChatOptions, ChatTurn, after_reasoning, prepare_turn
+from .openai_api import OpenAIServing
+from .openai_common import (as_openai_error, check_fits, error_response, json_response, parse_body,
+                            samples, tokenize)
+from .openai_protocol import (ChatCompletionRequest, OpenAIError, chat_logprobs, choice,
+                              finish_reason_of, logprob_entries)
+from .openai_runner import Job, SampleRunner
+from .run_to_end import run_to_end
+from .streaming import SSE_DONE, EventStream, sse
+from .tool_calls.reasoning import CLOSE
 
 _RENAMES = {"min_new_tokens": "min_tokens", "text": "messages", "input_ids": "messages",
             "top_logprobs_num": "top_logprobs"}

@@ -10,11 +10,11 @@ import orjson
 from fastapi import Request
 from fastapi.responses import Response
 
-from radixlm.srt.intake import Intake
-from radixlm.srt.io_struct import TokenizedGenerateReq
-from radixlm.srt.server.errors import Overloaded, ServerUnavailable, error_body, error_response, status_of
-from radixlm.srt.server.streaming import SSE_DONE, EventStream, sse
-from radixlm.srt.server.tokenizer_manager import TokenizerManager
+from ..intake import Intake
+from ..io_struct import TokenizedGenerateReq
+from .errors import Overloaded, ServerUnavailable, error_body, error_response, status_of
+from .streaming import SSE_DONE, EventStream, sse
+from .tokenizer_manager import TokenizerManager
 
 GENERATE_FIELDS = {"text", "input_ids", "sampling_params", "return_logprob", "logprob_start_len",
                    "top_logprobs_num", "return_text_in_logprobs", "stream", "rid", "cache_salt"}

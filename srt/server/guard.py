@@ -11,7 +11,7 @@ import secrets
 import time
 from typing import Any
 
-from radixlm.srt.server.errors import error_response
+from .errors import error_response
 
 OPEN_PATHS = {"/health"}  # reachable without the API key (load balancers probe it)
 # Routes that start generation: refused with 429 / 503 before their body is even read.

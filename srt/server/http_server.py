@@ -11,13 +11,13 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
-from radixlm.srt.server import generate_route
-from radixlm.srt.server.errors import error_response
-from radixlm.srt.server.generate_route import json_body
-from radixlm.srt.server.guard import Guard
-from radixlm.srt.server.openapi_docs import document_bodies
-from radixlm.srt.server.tokenize_routes import add_tokenize_routes
-from radixlm.srt.server.tokenizer_manager import TokenizerManager
+from . import generate_route
+from .errors import error_response
+from .generate_route import json_body
+from .guard import Guard
+from .openapi_docs import document_bodies
+from .tokenize_routes import add_tokenize_routes
+from .tokenizer_manager import TokenizerManager
 
 logger = logging.getLogger(__name__)
 

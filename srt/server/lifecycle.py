@@ -15,8 +15,8 @@ from typing import Any, Callable
 
 import uvicorn
 
-from radixlm.srt.process_utils import stage
-from radixlm.srt.server.tokenizer_manager import TokenizerManager
+from ..process_utils import stage
+from .tokenizer_manager import TokenizerManager
 
 logger = logging.getLogger("radixlm.launch")
 

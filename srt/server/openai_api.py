@@ -17,23 +17,23 @@ from typing import Any, AsyncIterator, Callable
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
-from radixlm.srt.server.chat import ChatOptions
-from radixlm.srt.server.openai_common import (as_openai_error, check_fits, error_response, json_response, parse_body,
-                                              samples, tokenize)
-from radixlm.srt.server.openai_protocol import (CompletionRequest, OpenAIError, TokenText, choice, completion_logprobs,
-                                                finish_reason_of, logprob_entries)
-from radixlm.srt.server.openai_runner import Job, SampleRunner
-from radixlm.srt.server.run_to_end import run_to_end
-from radixlm.srt.server.streaming import SSE_DONE, EventStream, sse
-from radixlm.srt.server.tokenizer_manager import TokenizerManager
+from .chat import ChatOptions
+from .openai_common import (as_openai_error, check_fits, error_response, json_response, parse_body,
+                            samples, tokenize)
+from .openai_protocol import (CompletionRequest, OpenAIError, TokenText, choice, completion_logprobs,
+                              finish_reason_of, logprob_entries)
+from .openai_runner import Job, SampleRunner
+from .run_to_end import run_to_end
+from .streaming import SSE_DONE, EventStream, sse
+from .tokenizer_manager import TokenizerManager
 
 logger = logging.getLogger(__name__)
 
 
 def register_openai_routes(app: FastAPI, tm_getter: Callable[[], TokenizerManager], served_model_name: str,
                            chat_options: ChatOptions = ChatOptions()) -> None:
-    from radixlm.srt.server.chat_completions import ChatCompletions
-    from radixlm.srt.server.responses.routes import ResponsesRoutes
+    from .chat_completions import ChatCompletions
+    from .responses.routes import ResponsesRoutes
 
     api = OpenAIServing(tm_getter, served_model_name)
     chat = ChatCompletions(api, chat_options)

@@ -11,11 +11,11 @@ from fastapi import Request
 from fastapi.responses import Response
 from pydantic import BaseModel, ValidationError
 
-from radixlm.srt.io_struct import TokenizedGenerateReq
-from radixlm.srt.server.errors import RETRY_AFTER_S, Overloaded, ServerUnavailable
-from radixlm.srt.server.openai_protocol import OpenAIError
-from radixlm.srt.server.openai_runner import InternalAbort
-from radixlm.srt.server.tokenizer_manager import TokenizerManager
+from ..io_struct import TokenizedGenerateReq
+from .errors import RETRY_AFTER_S, Overloaded, ServerUnavailable
+from .openai_protocol import OpenAIError
+from .openai_runner import InternalAbort
+from .tokenizer_manager import TokenizerManager
 
 logger = logging.getLogger(__name__)
 

@@ -28,7 +28,7 @@ class OpenAIError(Exception):
 
     def body(self) -> dict[str, Any]:
         # The same code as the native routes give for this status, unless a route names its own.
-        from radixlm.srt.server.errors import code_for
+        from .errors import code_for
 
         return {"error": {"message": self.message, "type": self.err_type, "param": self.param,
                           "code": self.code or code_for(self.status)}}

@@ -10,8 +10,8 @@ from typing import Any, AsyncGenerator, Callable
 
 from fastapi import Request
 
-from radixlm.srt.io_struct import TokenizedGenerateReq
-from radixlm.srt.server.tokenizer_manager import TokenizerManager
+from ..io_struct import TokenizedGenerateReq
+from .tokenizer_manager import TokenizerManager
 
 _DONE = object()  # a sample's end marker in SampleRunner's queue
 

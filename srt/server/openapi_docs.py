@@ -45,8 +45,8 @@ class TokenizeRequest(_Doc):
 
 
 def _bodies() -> dict[str, type[BaseModel]]:
-    from radixlm.srt.server.openai_protocol import ChatCompletionRequest, CompletionRequest
-    from radixlm.srt.server.responses.protocol import ResponsesRequest
+    from .openai_protocol import ChatCompletionRequest, CompletionRequest
+    from .responses.protocol import ResponsesRequest
 
     return {"/generate": GenerateRequest, "/abort_request": AbortRequest, "/tokenize": TokenizeRequest,
             "/v1/tokenize": TokenizeRequest, "/v1/completions": CompletionRequest,

@@ -11,9 +11,9 @@ from typing import Any, AsyncGenerator
 from fastapi import Request
 from fastapi.responses import Response
 
-from radixlm.srt.server.openai_common import as_openai_error, error_response
-from radixlm.srt.server.openai_protocol import finish_reason_of
-from radixlm.srt.server.openai_runner import call_on_disconnect
+from .openai_common import as_openai_error, error_response
+from .openai_protocol import finish_reason_of
+from .openai_runner import call_on_disconnect
 
 
 async def run_to_end(request: Request, results: AsyncGenerator[tuple[int, dict[str, Any]], None],

@@ -19,8 +19,8 @@ import orjson
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
-from radixlm.srt.server.errors import error_response
-from radixlm.srt.server.generate_route import field_of
+from .errors import error_response
+from .generate_route import field_of
 
 _FIELDS = {"prompt", "add_special_tokens", "model"}
 

@@ -17,14 +17,14 @@ from typing import Any, AsyncIterator
 import zmq
 import zmq.asyncio
 
-from radixlm.srt import io_struct
-from radixlm.srt.intake import Intake
-from radixlm.srt.io_struct import (AbortReq, BatchTextOut, ControlReply, ControlReq, ReqTextOutput,
-                                   TokenizedGenerateReq)
-from radixlm.srt.results import LogprobRecord, Progress, result
-from radixlm.srt.sampling_params import SamplingParams
-from radixlm.srt.server.errors import Overloaded, ServerUnavailable
-from radixlm.srt.server.metrics import Metrics
+from .. import io_struct
+from ..intake import Intake
+from ..io_struct import (AbortReq, BatchTextOut, ControlReply, ControlReq, ReqTextOutput,
+                         TokenizedGenerateReq)
+from ..results import LogprobRecord, Progress, result
+from ..sampling_params import SamplingParams
+from .errors import Overloaded, ServerUnavailable
+from .metrics import Metrics
 
 logger = logging.getLogger(__name__)
 

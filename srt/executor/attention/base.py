@@ -11,7 +11,7 @@ import abc
 
 import torch
 
-from radixlm.srt.executor.forward_batch import ForwardBatch
+from ..forward_batch import ForwardBatch
 
 # The graph variant every captured bucket has: plain decode, able to replay any decode batch
 # of the bucket's size or smaller.

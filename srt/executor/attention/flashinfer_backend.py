@@ -30,15 +30,15 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from radixlm.srt.executor.attention.base import AttentionBackend
-from radixlm.srt.executor.attention.triton_decode import DecodeTables, load_decode_tables
-from radixlm.srt.executor.attention.cascade_groups import CASCADE_MIN_PREFIX, CascadeGroups, find_groups
-from radixlm.srt.executor.attention.flashinfer_cascade import _CascadeStep, cascade_page_tables
-from radixlm.srt.executor.attention.flashinfer_graphs import FlashInferGraphs
-from radixlm.srt.executor.attention.layer_spec import LOGIT_SOFTCAP, SLIDING_WINDOW, LayerAttention
-from radixlm.srt.executor.attention.paged_kv import PagedKV, as_pages, build_paged_kv, qo_indptr_for
-from radixlm.srt.executor.forward_batch import ForwardBatch
-from radixlm.srt.executor.mem_pool import KVPool
+from ..forward_batch import ForwardBatch
+from ..mem_pool import KVPool
+from .base import AttentionBackend
+from .cascade_groups import CASCADE_MIN_PREFIX, CascadeGroups, find_groups
+from .flashinfer_cascade import _CascadeStep, cascade_page_tables
+from .flashinfer_graphs import FlashInferGraphs
+from .layer_spec import LOGIT_SOFTCAP, SLIDING_WINDOW, LayerAttention
+from .paged_kv import PagedKV, as_pages, build_paged_kv, qo_indptr_for
+from .triton_decode import DecodeTables, load_decode_tables
 
 WORKSPACE_BYTES = 256 * 1024 * 1024  # split-KV partial results; FlashInfer recommends >= 128 MiB
 _BACKEND = "fa2"

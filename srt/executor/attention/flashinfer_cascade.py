@@ -7,8 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
-from radixlm.srt.executor.attention.cascade_groups import CascadeGroups
-from radixlm.srt.executor.attention.paged_kv import PagedKV, build_paged_kv, qo_indptr_for
+from .cascade_groups import CascadeGroups
+from .paged_kv import PagedKV, build_paged_kv, qo_indptr_for
 
 
 @dataclass(frozen=True)

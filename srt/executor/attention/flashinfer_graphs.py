@@ -12,12 +12,12 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from radixlm.srt.executor.attention.base import DEFAULT_GRAPH_VARIANT
-from radixlm.srt.executor.attention.flashinfer_cascade import (GraphCascade, _CascadeStep, graph_cascade_tables,
-                                                               graph_prefix_segments)
-from radixlm.srt.executor.attention.paged_kv import PagedKV, build_paged_kv
-from radixlm.srt.executor.attention.triton_decode import load_decode_tables
-from radixlm.srt.executor.forward_batch import ForwardBatch
+from ..forward_batch import ForwardBatch
+from .base import DEFAULT_GRAPH_VARIANT
+from .flashinfer_cascade import (GraphCascade, _CascadeStep, graph_cascade_tables,
+                                 graph_prefix_segments)
+from .paged_kv import PagedKV, build_paged_kv
+from .triton_decode import load_decode_tables
 
 # Decode buckets this large get a second CUDA graph, with cascade attention (smaller batches
 # rarely share enough to matter, and each graph adds ~1.5 s of start-up capture).

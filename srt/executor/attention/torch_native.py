@@ -22,11 +22,11 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from radixlm.srt.executor.attention.base import AttentionBackend
-from radixlm.srt.executor.attention.cascade_groups import CASCADE_MIN_PREFIX, find_groups
-from radixlm.srt.executor.attention.layer_spec import LOGIT_SOFTCAP, SLIDING_WINDOW, LayerAttention
-from radixlm.srt.executor.forward_batch import ForwardBatch
-from radixlm.srt.executor.mem_pool import FP8_KV_DTYPE, KVPool, read_kv
+from ..forward_batch import ForwardBatch
+from ..mem_pool import FP8_KV_DTYPE, KVPool, read_kv
+from .base import AttentionBackend
+from .cascade_groups import CASCADE_MIN_PREFIX, find_groups
+from .layer_spec import LOGIT_SOFTCAP, SLIDING_WINDOW, LayerAttention
 
 
 class TorchNativeBackend(AttentionBackend):

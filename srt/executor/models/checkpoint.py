@@ -8,11 +8,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from radixlm.srt.configs import ModelConfig
-from radixlm.srt.executor.models.family import Family
+from ...configs import ModelConfig
+from .family import Family
 
 if TYPE_CHECKING:
-    from radixlm.srt.executor.models.decoder import CausalLM
+    from .decoder import CausalLM
 
 _LAYER_RE = re.compile(r"layers\.(\d+)\.(.+)")
 _EXPERT_RE = re.compile(r"experts\.(\d+)\.(\w+)\.weight")

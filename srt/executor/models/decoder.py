@@ -13,16 +13,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from radixlm.srt.configs import ModelConfig
-from radixlm.srt.executor.attention.base import AttentionBackend
-from radixlm.srt.executor.models import checkpoint
-from radixlm.srt.executor.models.family import Family
-from radixlm.srt.executor.models.layers import SINGLE, Attention, GatedMLP, RMSNorm
-from radixlm.srt.executor.models.moe import SparseMoE
-from radixlm.srt.executor.models.ops import TorchOps
-from radixlm.srt.executor.models.rotary import RotaryEmbedding
-from radixlm.srt.executor.models.sharding import ShardPlan
-from radixlm.srt.executor.parallel import TensorParallel
+from ...configs import ModelConfig
+from ..attention.base import AttentionBackend
+from ..parallel import TensorParallel
+from . import checkpoint
+from .family import Family
+from .layers import SINGLE, Attention, GatedMLP, RMSNorm
+from .moe import SparseMoE
+from .ops import TorchOps
+from .rotary import RotaryEmbedding
+from .sharding import ShardPlan
 
 
 class DecoderLayer(nn.Module):

@@ -11,10 +11,10 @@ from typing import Any
 
 from torch import nn
 
-from radixlm.srt.configs import FULL_ATTENTION, SLIDING_ATTENTION, ModelConfig
-from radixlm.srt.executor.models.decoder import CausalLM
-from radixlm.srt.executor.models.family import Family
-from radixlm.srt.executor.models.rotary import RotaryEmbedding
+from ...configs import FULL_ATTENTION, SLIDING_ATTENTION, ModelConfig
+from .decoder import CausalLM
+from .family import Family
+from .rotary import RotaryEmbedding
 
 
 class Gemma2ForCausalLM(CausalLM):

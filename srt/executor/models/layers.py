@@ -9,11 +9,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from radixlm.srt.configs import ModelConfig
-from radixlm.srt.executor.attention.base import AttentionBackend
-from radixlm.srt.executor.models.ops import TorchOps
-from radixlm.srt.executor.models.rotary import RotaryEmbedding
-from radixlm.srt.executor.parallel import TensorParallel
+from ...configs import ModelConfig
+from ..attention.base import AttentionBackend
+from ..parallel import TensorParallel
+from .ops import TorchOps
+from .rotary import RotaryEmbedding
 
 SINGLE = TensorParallel()
 

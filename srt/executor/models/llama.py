@@ -6,8 +6,8 @@ They share the plain decoder; their differences are all config options (ModelCon
 
 from __future__ import annotations
 
-from radixlm.srt.executor.models.decoder import CausalLM
-from radixlm.srt.executor.models.family import Family
+from .decoder import CausalLM
+from .family import Family
 
 
 class LlamaForCausalLM(CausalLM):

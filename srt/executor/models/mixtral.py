@@ -4,8 +4,8 @@ is softmax over all experts, top-k, renormalised (moe.route)."""
 
 from __future__ import annotations
 
-from radixlm.srt.executor.models.decoder import CausalLM
-from radixlm.srt.executor.models.family import Family
+from .decoder import CausalLM
+from .family import Family
 
 
 class MixtralForCausalLM(CausalLM):

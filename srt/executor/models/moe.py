@@ -13,9 +13,9 @@ import logging
 import torch
 from torch import nn
 
-from radixlm.srt.executor.models.layers import SINGLE, act_and_mul
-from radixlm.srt.executor.models.ops import TorchOps
-from radixlm.srt.executor.parallel import TensorParallel
+from ..parallel import TensorParallel
+from .layers import SINGLE, act_and_mul
+from .ops import TorchOps
 
 logger = logging.getLogger(__name__)
 
@@ -77,7 +77,7 @@ class SparseMoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = route(self.gate(x), self.top_k, self.renormalize)
         if self.use_triton and x.is_cuda:
-            from radixlm.srt.executor.models.moe_triton import fused_moe
+            from .moe_triton import fused_moe
 
             return self.tp.all_reduce(fused_moe(x, self.w13, self.w2, weights, ids))
         return self.tp.all_reduce(expert_forward(x, self.w13, self.w2, weights, ids, self.hidden_act))

@@ -101,7 +101,7 @@ def _grouped_gemm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, pairs: to
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
               ids: torch.Tensor) -> torch.Tensor:
     """x [T, H]; w13 [E, 2I, H]; w2 [E, H, I]; weights [T, k] float32; ids [T, k] -> [T, H]."""
-    from radixlm.srt.executor.models import triton_ops
+    from . import triton_ops
 
     num_tokens, top_k = ids.shape
     num_experts, two_inter, hidden = w13.shape

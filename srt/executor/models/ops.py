@@ -46,25 +46,25 @@ class TritonOps(TorchOps):
 
     @staticmethod
     def rms_norm(x, weight, eps):
-        from radixlm.srt.executor.models import triton_ops
+        from . import triton_ops
 
         return triton_ops.rms_norm(x, weight, eps)
 
     @staticmethod
     def add_rms_norm(x, residual, weight, eps):
-        from radixlm.srt.executor.models import triton_ops
+        from . import triton_ops
 
         return triton_ops.add_rms_norm(x, residual, weight, eps)
 
     @staticmethod
     def silu_and_mul(x):
-        from radixlm.srt.executor.models import triton_ops
+        from . import triton_ops
 
         return triton_ops.silu_and_mul(x)
 
     @staticmethod
     def rotary(positions, q, k, cos_cache, sin_cache):
-        from radixlm.srt.executor.models import triton_ops
+        from . import triton_ops
 
         if _adjacent_heads(q, k):  # q and k heads side by side in the fused qkv output: one launch
             both = q.as_strided((q.shape[0], q.shape[1] + k.shape[1], q.shape[2]), q.stride())

@@ -4,8 +4,8 @@ factors up to original_max_position_embeddings; ModelConfig caps the context the
 
 from __future__ import annotations
 
-from radixlm.srt.executor.models.decoder import CausalLM
-from radixlm.srt.executor.models.family import Family
+from .decoder import CausalLM
+from .family import Family
 
 
 class Phi3ForCausalLM(CausalLM):

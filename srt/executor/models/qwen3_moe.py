@@ -4,8 +4,8 @@ routing is softmax over all experts, top-k, renormalised only with norm_topk_pro
 
 from __future__ import annotations
 
-from radixlm.srt.executor.models.decoder import CausalLM
-from radixlm.srt.executor.models.family import Family
+from .decoder import CausalLM
+from .family import Family
 
 
 class Qwen3MoeForCausalLM(CausalLM):

@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from radixlm.srt.executor.models.ops import TorchOps
+from .ops import TorchOps
 
 
 def _inv_freq(hf_config: Any, dim: int, rope_theta: float, device: torch.device,

@@ -17,7 +17,7 @@ import dataclasses
 import re
 from dataclasses import dataclass
 
-from radixlm.srt.configs import ModelConfig
+from ...configs import ModelConfig
 
 # A piece of a checkpoint tensor: rows (dim 0) or columns (dim 1) [start, stop).
 Piece = tuple[int, int, int]

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
-    from radixlm.srt.server_args import ServerArgs
+    from ...server_args import ServerArgs
 
 
 def apply_quantization(model: "torch.nn.Module", args: "ServerArgs", device: "torch.device",
@@ -15,10 +15,10 @@ def apply_quantization(model: "torch.nn.Module", args: "ServerArgs", device: "to
     """The runner's one call after loading: an FP8 checkpoint's projections stay FP8 with their
     scales; otherwise the weights are quantized as `args` asks."""
     if checkpoint_fp8_scales:
-        from radixlm.srt.executor.quantization.fp8_checkpoint import use_checkpoint_fp8
+        from .fp8_checkpoint import use_checkpoint_fp8
 
         use_checkpoint_fp8(model, device, checkpoint_fp8_scales)
     elif args.quantization == "fp8":
-        from radixlm.srt.executor.quantization.fp8 import quantize_model_fp8
+        from .fp8 import quantize_model_fp8
 
         quantize_model_fp8(model, device)

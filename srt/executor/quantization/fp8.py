@@ -157,7 +157,7 @@ def quantize_model_fp8(model: nn.Module, device: torch.device) -> int:
     """Replaces the decoder layers' projections with Fp8Linear in place; returns how many.
     Refuses MoE experts (not quantized yet) and a device without FP8, by name."""
     check_fp8_device(device)
-    from radixlm.srt.executor.models.moe import SparseMoE
+    from ..models.moe import SparseMoE
 
     if any(isinstance(m, SparseMoE) for m in model.modules()):
         arch = getattr(getattr(model, "config", None), "architecture", type(model).__name__)
@@ -207,7 +207,7 @@ def fp8_weight_bytes(shapes: dict[str, tuple[int, ...]], dtype: torch.dtype) -> 
 
 def _load_triton():
     try:
-        from radixlm.srt.executor.quantization import fp8_gemv, fp8_triton
+        from . import fp8_gemv, fp8_triton
     except ImportError:
         return None, None, None
     return fp8_triton.quantize_per_token_triton, fp8_gemv.fp8_gemv, fp8_triton

@@ -16,8 +16,8 @@ import logging
 import torch
 from torch import nn
 
-from radixlm.srt.executor.models import checkpoint
-from radixlm.srt.executor.quantization.fp8 import _ALIGN, FP8, LINEAR_NAMES, Fp8Linear, check_fp8_device
+from ..models import checkpoint
+from .fp8 import _ALIGN, FP8, LINEAR_NAMES, Fp8Linear, check_fp8_device
 
 logger = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from radixlm.srt.server.tool_calls.parsers import ToolCall
+from ..tool_calls.parsers import ToolCall
 
 
 class _Body(BaseModel):

@@ -15,15 +15,15 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 from pydantic import ValidationError
 
-from radixlm.srt.server.chat_completions import ChatCompletions, ChatRun
-from radixlm.srt.server.openai_common import as_openai_error, error_response, json_response, parse_body
-from radixlm.srt.server.openai_protocol import ChatCompletionRequest, OpenAIError, finish_reason_of
-from radixlm.srt.server.responses.protocol import (EventWriter, ResponsesRequest, function_call_item, input_messages,
-                                                   message_item, new_id, reasoning_item,
-                                                   response_object, usage_of)
-from radixlm.srt.server.responses.store import ResponseStore, StoredTurn
-from radixlm.srt.server.streaming import EventStream
-from radixlm.srt.server.tool_calls.parsers import ToolCall
+from ..chat_completions import ChatCompletions, ChatRun
+from ..openai_common import as_openai_error, error_response, json_response, parse_body
+from ..openai_protocol import ChatCompletionRequest, OpenAIError, finish_reason_of
+from ..streaming import EventStream
+from ..tool_calls.parsers import ToolCall
+from .protocol import (EventWriter, ResponsesRequest, function_call_item, input_messages,
+                       message_item, new_id, reasoning_item,
+                       response_object, usage_of)
+from .store import ResponseStore, StoredTurn
 
 _RENAMES = {"max_completion_tokens": "max_output_tokens", "response_format": "text.format",
             "messages": "input", "json_schema": "text.format.schema"}

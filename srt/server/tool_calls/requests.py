@@ -20,8 +20,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from radixlm.srt.constrained.spec import check_json_schema
-from radixlm.srt.server.tool_calls.parsers import ToolCall, new_call_id
+from ...constrained.spec import check_json_schema
+from .parsers import ToolCall, new_call_id
 
 _NAME = re.compile(r"[A-Za-z0-9_\-]{1,64}")
 EMPTY_PARAMETERS = {"type": "object", "properties": {}}
