@@ -9,7 +9,7 @@ bitmask from its matcher, and applying a batch's bitmask to the logits.
 jump: a JSON extraction program in the language, on two servers that differ only in
 `--disable-jump-forward`; wall time for the batch and decode steps saved.
 
-    python benchmarks/bench_constrained.py decode|jump|all [--out benchmarks/results/cpu_constrained.jsonl]
+    python -m benchmarks.bench_constrained decode|jump|all [--out benchmarks/results/cpu_constrained.jsonl]
 """
 
 from __future__ import annotations
@@ -17,20 +17,16 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from serving_server import emit  # noqa: E402
+from .harness import Reporter, command_line, timed
 
 # Never completes before max_new_tokens: 100+ integers are needed to close the array.
 LONG_ARRAY = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 99999}, "minItems": 100}
 PROMPTS = [f"List {i + 5} numbers as a JSON array of integers:" for i in range(16)]
 
 
-def bench_decode(args) -> None:
+def bench_decode(args, report: Reporter) -> None:
     from radixlm.srt import Engine
 
     engine = Engine(max_total_tokens=16384, disable_jump_forward=True)
@@ -44,17 +40,16 @@ def bench_decode(args) -> None:
         for _ in range(args.runs):
             for name, params in (("unconstrained", plain), ("json_schema", constrained)):
                 engine.flush_cache()
-                start = time.perf_counter()
-                outs = engine.generate(prompts, params)
-                timings[name].append(time.perf_counter() - start)
+                outs, seconds = timed(engine.generate, prompts, params)
+                timings[name].append(seconds)
                 assert all(o["meta_info"]["completion_tokens"] == n for o in outs), "a request ended early"
         tok_s = {k: batch * n / statistics.median(v) for k, v in timings.items()}
-        emit({"bench": "constrained_decode", "batch": batch, "new_tokens": n, "runs": args.runs,
-              "unconstrained_tok_s": round(tok_s["unconstrained"], 2),
-              "json_schema_tok_s": round(tok_s["json_schema"], 2), "baseline": "unconstrained",
-              "ratio": round(tok_s["json_schema"] / tok_s["unconstrained"], 3),
-              "slowdown_pct": round(100 * (1 - tok_s["json_schema"] / tok_s["unconstrained"]), 1)}, args)
-    emit(_mask_cost(engine, outs), args)
+        report.emit({"bench": "constrained_decode", "batch": batch, "new_tokens": n, "runs": args.runs,
+                     "unconstrained_tok_s": round(tok_s["unconstrained"], 2),
+                     "json_schema_tok_s": round(tok_s["json_schema"], 2), "baseline": "unconstrained",
+                     "ratio": round(tok_s["json_schema"] / tok_s["unconstrained"], 3),
+                     "slowdown_pct": round(100 * (1 - tok_s["json_schema"] / tok_s["unconstrained"]), 1)})
+    report.emit(_mask_cost(engine, outs))
     engine.shutdown()
 
 
@@ -107,7 +102,7 @@ ORDER = {"type": "object",
          "required": ["customer_name", "item_description", "quantity_ordered", "express_shipping", "order_status"]}
 
 
-def bench_jump(args) -> None:
+def bench_jump(args, report: Reporter) -> None:
     import radixlm as sgl
 
     @sgl.function
@@ -123,9 +118,9 @@ def bench_jump(args) -> None:
             extract.run_batch(batch[:1], backend=runtime, temperature=0)  # warm-up: compile, prefix
             times, tokens = [], 0
             for _ in range(args.runs):
-                start = time.perf_counter()
-                states = extract.run_batch(batch, backend=runtime, temperature=0, num_threads=len(batch))
-                times.append(time.perf_counter() - start)
+                states, seconds = timed(extract.run_batch, batch, backend=runtime, temperature=0,
+                                        num_threads=len(batch))
+                times.append(seconds)
                 tokens = sum(s.get_meta_info("order")["completion_tokens"] for s in states)
                 for s in states:
                     json.loads(s["order"])
@@ -133,9 +128,9 @@ def bench_jump(args) -> None:
         finally:
             runtime.shutdown()
     (off_s, off_tokens), (on_s, on_tokens) = results["jump_forward_off"], results["jump_forward_on"]
-    emit({"bench": "jump_forward", "programs": len(NOTES), "runs": args.runs,
-          "off_s": round(off_s, 3), "on_s": round(on_s, 3), "off_output_tokens": off_tokens,
-          "on_output_tokens": on_tokens, "baseline": "jump_forward_off", "speedup": round(off_s / on_s, 3)}, args)
+    report.emit({"bench": "jump_forward", "programs": len(NOTES), "runs": args.runs,
+                 "off_s": round(off_s, 3), "on_s": round(on_s, 3), "off_output_tokens": off_tokens,
+                 "on_output_tokens": on_tokens, "baseline": "jump_forward_off", "speedup": round(off_s / on_s, 3)})
 
 
 def main() -> None:
@@ -145,12 +140,12 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--out", help="append the JSON lines to this file")
     args = parser.parse_args()
-    emit({"bench": "constrained", "command": " ".join([Path(sys.executable).name, *sys.argv]),
-          "time": time.strftime("%Y-%m-%dT%H:%M:%S")}, args)
+    report = Reporter(args.out)
+    report.emit({"bench": "constrained", "command": command_line(), "time": time.strftime("%Y-%m-%dT%H:%M:%S")})
     if args.which in ("decode", "all"):
-        bench_decode(args)
+        bench_decode(args, report)
     if args.which in ("jump", "all"):
-        bench_jump(args)
+        bench_jump(args, report)
 
 
 if __name__ == "__main__":

@@ -3,24 +3,17 @@
 Same model (the embedded default), same dtype (fp32 unless --dtype bfloat16), same prompt,
 greedy, fixed output length, both measured in this run. Prints one JSON line per system and one
 with the ratio.
+
+    python -m benchmarks.bench_engine_decode [--new-tokens 64] [--runs 3] [--dtype bfloat16]
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import time
 
 import torch
 
-
-def best_of(runs: int, fn) -> float:
-    times = []
-    for _ in range(runs):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return min(times)
+from .harness import Reporter, best_seconds, ratio
 
 
 def main() -> None:
@@ -46,19 +39,22 @@ def main() -> None:
     # Prefill is a small part at this prompt length; subtract neither, as users see both.
     engine.generate(input_ids=ids, sampling_params=params)  # warm-up
     engine.flush_cache()
-    ours = best_of(args.runs, lambda: (engine.generate(input_ids=ids, sampling_params=params), engine.flush_cache()))
+    ours = best_seconds(lambda: (engine.generate(input_ids=ids, sampling_params=params), engine.flush_cache()),
+                        args.runs)
 
     prompt = torch.tensor([ids])
     with torch.inference_mode():
         gen = lambda: hf.generate(prompt, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
         gen()  # warm-up
-        theirs = best_of(args.runs, gen)
+        theirs = best_seconds(gen, args.runs)
 
     common = {"prompt_tokens": len(ids), "new_tokens": n, "threads": torch.get_num_threads(), "dtype": args.dtype}
-    print(json.dumps({"bench": "engine_decode", "system": "hf_transformers_generate", "tok_per_s": round(n / theirs, 2), **common}))
-    print(json.dumps({"bench": "engine_decode", "system": "radixlm_engine", "tok_per_s": round(n / ours, 2), **common}))
-    print(json.dumps({"bench": "engine_decode", "baseline": "hf_transformers_generate",
-                      "ratio": round(theirs / ours, 3), **common}))
+    report = Reporter(None)
+    report.emit({"bench": "engine_decode", "system": "hf_transformers_generate", "tok_per_s": round(n / theirs, 2),
+                 **common})
+    report.emit({"bench": "engine_decode", "system": "radixlm_engine", "tok_per_s": round(n / ours, 2), **common})
+    report.emit({"bench": "engine_decode", "baseline": "hf_transformers_generate", "ratio": ratio(theirs, ours),
+                 **common})
 
 
 def _local_dir() -> str:

@@ -3,7 +3,7 @@ sums replayed from a CUDA graph, through NCCL (the baseline) and through the opt
 all-reduce on symmetric memory (RADIXLM_TP_ALLREDUCE=one_shot). One JSON line per size with
 microseconds per all-reduce for each, the ratio, and whether the sums agree.
 
-  python benchmarks/bench_gpu_allreduce.py --out benchmarks/results/gpu_h200x2_allreduce.jsonl
+  python -m benchmarks.bench_gpu_allreduce --out benchmarks/results/gpu_h200x2_allreduce.jsonl
 
 At batch 1 the Llama-3.1-70B shape runs 160 of them a step (hidden 8192): at ~15 us each they
 are ~2.4 ms of a ~19 ms step.
@@ -12,13 +12,12 @@ are ~2.4 ms of a ~19 ms step.
 from __future__ import annotations
 
 import argparse
-import json
 import multiprocessing as mp
 import os
-import shlex
-import socket
-import sys
 from types import SimpleNamespace
+
+from .gpu_measure import gpu_reporter
+from .harness import free_port
 
 CALLS_PER_GRAPH = 160  # the 70B shape's all-reduces in one decode step
 
@@ -89,9 +88,7 @@ def main() -> None:
 
     if torch.cuda.device_count() < 2:
         raise SystemExit("bench_gpu_allreduce needs two GPUs")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        addr = f"127.0.0.1:{s.getsockname()[1]}"
+    addr = f"127.0.0.1:{free_port()}"
     sizes = [(1, 4096), (1, 8192), (8, 8192), (64, 8192), (256, 8192)]
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
@@ -101,19 +98,13 @@ def main() -> None:
     results = queue.get(timeout=600)
     for p in procs:
         p.join(60)
-    command = "python " + shlex.join(sys.argv)
+    rep = gpu_reporter(args.out)
     for line in results:
-        line = {"bench": "gpu_tp_all_reduce", "device": torch.cuda.get_device_name(), **line,
-                "calls_per_graph": CALLS_PER_GRAPH, "baseline": "nccl in this run",
-                "env": {k: os.environ.get(k) for k in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST")},
-                "command": command}
+        line = {"bench": "gpu_tp_all_reduce", **line, "calls_per_graph": CALLS_PER_GRAPH, "baseline": "nccl in this run",
+                "env": {k: os.environ.get(k) for k in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST")}}
         if isinstance(line.get("one_shot_us"), float):
             line["one_shot_vs_nccl"] = round(line["one_shot_us"] / line["nccl_us"], 3)
-        text = json.dumps(line)
-        print(text, flush=True)
-        if args.out:
-            with open(args.out, "a") as f:
-                f.write(text + "\n")
+        rep.emit(line)
 
 
 if __name__ == "__main__":

@@ -6,23 +6,20 @@ plans it), measured in the same run; `triton` is the engine's own decode kernel
 (srt/executor/attention/triton_decode.py) with the tiles and split count the engine picks, and
 --triton-sweep times other tiles and split counts (to choose the engine's).
 
-    python benchmarks/bench_gpu_decode_attention.py --out benchmarks/results/gpu_h200.jsonl
+    python -m benchmarks.bench_gpu_decode_attention --out benchmarks/results/gpu_h200.jsonl
 """
 
 from __future__ import annotations
 
 import argparse
 import itertools
-import shlex
-import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_gpu_llama8b import Reporter  # noqa: E402
+from .gpu_measure import gpu_reporter, graph_replay_us
+from .models import LLAMA_8B
 
-HEADS, KV_HEADS, HEAD_DIM, LAYERS = 32, 8, 128, 32
+HEADS, KV_HEADS, HEAD_DIM, LAYERS = LLAMA_8B.heads, LLAMA_8B.kv_heads, LLAMA_8B.head_dim, LLAMA_8B.layers
 VARIANTS = {"tensor_cores": (True, False), "tensor_cores_no_split": (True, True), "cuda_cores": (False, False),
             "cuda_cores_no_split": (False, True)}
 SWEEP_TILES = list(itertools.product((32, 64, 128), (4, 8), (2, 3), (0, 1)))  # the last: V pairs (FP8)
@@ -59,7 +56,7 @@ class Case:
                 paged_decode(self.q, k, v, self.indptr, self.indices, self.last, self.page_size, HEAD_DIM ** -0.5,
                              splits=splits, tiles=tiles)
 
-        return graph_us(step)
+        return graph_replay_us(step) / LAYERS
 
     def flashinfer_us(self, variant: str) -> float:
         import flashinfer
@@ -79,29 +76,7 @@ class Case:
             for pages in self.pages:
                 wrapper.run(self.q, pages, out=out)
 
-        return graph_us(step)
-
-
-def graph_us(step) -> float:
-    """Microseconds per layer of `step` (all LAYERS layers) replayed from a CUDA graph."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        step()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    replays = 20
-    start.record()
-    for _ in range(replays):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / (replays * LAYERS)
+        return graph_replay_us(step) / LAYERS
 
 
 def main() -> None:
@@ -124,7 +99,7 @@ def main() -> None:
     args = parser.parse_args()
     from radixlm.srt.executor.attention.triton_decode import DecodeTiles, decode_num_splits
 
-    rep = Reporter(args.out, "python " + shlex.join(sys.argv))
+    rep = gpu_reporter(args.out)
     dtypes = {"bf16": torch.bfloat16, "fp8_e4m3": torch.float8_e4m3fn}
     sm_count = torch.cuda.get_device_properties(0).multi_processor_count
     for page_size, kv_name, batch, kv_len in itertools.product(args.page_sizes.split(","), args.kv_dtypes.split(","),

@@ -8,7 +8,7 @@ call should fit in a few minutes):
   prefill     8 prompts x 2048 tokens with FP8 weights: model FLOP utilisation vs an FP8 GEMM
               (torch._scaled_mm 8192^3, row-wise scales) measured here (goal >= 0.6); also with
               quantization in its own kernel instead of in the norms and SiLU-and-mul
-  offline     bench_gpu_llama8b's 1000-request workload with FP8 weights vs bf16 weights (both
+  offline     the 1000-request offline workload (gpu_workloads.py) with FP8 weights vs bf16 weights (both
               measured here); vLLM's recorded FP8 figure printed as recorded (goal >= 1.1x)
   offline_kv  the same workload, FP8 weights + FP8 KV vs FP8 weights + bf16 KV (goal >= 1.15x)
   decode_profile  decode steps of the offline workload's size (384 requests, 1024 cached tokens
@@ -17,28 +17,29 @@ call should fit in a few minutes):
   accuracy    the real default model (--gguf PATH, SmolLM2-135M): FP8 vs bf16 greedy agreement
               on 64 prompts x 32 tokens and the mean |d logprob| of the bf16 model's tokens
 
-The Llama-3.1-8B config, the workloads and the timers come from bench_gpu_llama8b.py.
+The Llama-3.1-8B config is the one in benchmarks/models; the timers are engine_runs.py's, as
+bench_gpu_llama8b's are.
 
 Run on the H200 (see README, "GPU"), e.g.:
-  python benchmarks/bench_gpu_fp8.py --suites decode,prefill --out benchmarks/results/gpu_h200_fp8.jsonl
-  python benchmarks/bench_gpu_fp8.py --suites offline --out benchmarks/results/gpu_h200_fp8.jsonl
-  python benchmarks/bench_gpu_fp8.py --suites offline_kv --out benchmarks/results/gpu_h200_fp8.jsonl
-  python benchmarks/bench_gpu_fp8.py --suites accuracy --gguf /tmp/SmolLM2-135M-Instruct.Q4_1.gguf
+  python -m benchmarks.bench_gpu_fp8 --suites decode,prefill --out benchmarks/results/gpu_h200_fp8.jsonl
+  python -m benchmarks.bench_gpu_fp8 --suites offline --out benchmarks/results/gpu_h200_fp8.jsonl
+  python -m benchmarks.bench_gpu_fp8 --suites offline_kv --out benchmarks/results/gpu_h200_fp8.jsonl
+  python -m benchmarks.bench_gpu_fp8 --suites accuracy --gguf /tmp/SmolLM2-135M-Instruct.Q4_1.gguf
 """
 
 from __future__ import annotations
 
 import argparse
 import random
-import shlex
-import sys
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_gpu_llama8b import (CONFIG, TOKENIZERS, Reporter, StepTimer, _layer_params, free_engine,  # noqa: E402
-                               measure_bandwidth, offline_workload, profile, random_prompts, run_offline, timed)
+from .engine_runs import StepTimer, decode_ms_per_token, free_engine, prefill_flops, profile, run_offline
+from .gpu_measure import gpu_reporter, gpu_seconds, measure_bandwidth
+from .gpu_workloads import offline_workload, random_prompts
+from .harness import Reporter
+from .models import LLAMA3_TOKENIZER_GGUF, LLAMA_8B_CONFIG
 
 # vLLM's FP8 figures: NOT measured in this run (recorded on this project's H200 machine).
 VLLM_FP8_RECORDED = {"decode_ms_per_token": 3.478, "offline_seconds": 32.58, "offline_output_tok_s": 7951.0,
@@ -49,37 +50,7 @@ VLLM_FP8_RECORDED = {"decode_ms_per_token": 3.478, "offline_seconds": 32.58, "of
 SUITES = ("decode", "prefill", "offline", "offline_kv", "accuracy", "decode_profile")
 
 
-class FP8Reporter(Reporter):
-    """bench_gpu_llama8b's reporter; names the CPU when there is no GPU (the accuracy suite
-    runs there too, for a check of the code path)."""
-
-    def emit(self, line: dict) -> None:
-        if torch.cuda.is_available():
-            return super().emit(line)
-        import json
-
-        text = json.dumps({"device": "cpu", **line, "command": self.command})
-        print(text, flush=True)
-        if self.out:
-            Path(self.out).parent.mkdir(parents=True, exist_ok=True)
-            with open(self.out, "a") as f:
-                f.write(text + "\n")
-
-
 # ---- decode ------------------------------------------------------------------------------------
-
-
-def decode_ms_per_token(engine) -> float:
-    """Batch-1 decode ms/token: (time for 288 tokens - time for 32) / 256 cancels prefill."""
-    prompt = random_prompts(random.Random(1), [128])[0]
-
-    def gen(n):
-        engine.generate(input_ids=prompt, sampling_params={"temperature": 0, "max_new_tokens": n, "ignore_eos": True})
-        engine.flush_cache()
-
-    short, long = 32, 288
-    gen(long)  # warm-up
-    return (timed(lambda: gen(long), 3) - timed(lambda: gen(short), 3)) / (long - short) * 1e3
 
 
 def bench_decode(make_engine, rep: Reporter) -> None:
@@ -106,7 +77,7 @@ def bench_decode(make_engine, rep: Reporter) -> None:
         flashinfer_backend.set_fused_rotary_store(name != "fp8_unfused_rotary")
         try:
             engine = make_engine(max_running_requests=8, cuda_graph_max_bs=8, **kwargs)
-            ms[name] = decode_ms_per_token(engine)
+            ms[name] = decode_ms_per_token(engine, random_prompts(random.Random(1), [128])[0])
             # Where the rest of the step goes, kernel by kernel: profiled without PDL, whose kernels
             # overlap (each one's profiled time would include its wait for the one before).
             if name == "fp8_no_pdl":
@@ -155,7 +126,7 @@ def measure_fp8_gemm_tflops(n: int = 8192) -> float:
         return torch._scaled_mm(a, b.t(), scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16)
 
     run()
-    seconds = timed(lambda: [run() for _ in range(10)], 3) / 10
+    seconds = gpu_seconds(lambda: [run() for _ in range(10)], 3) / 10
     return 2 * n**3 / seconds / 1e12
 
 
@@ -174,19 +145,17 @@ def bench_prefill(make_engine, rep: Reporter) -> None:
     from radixlm.srt.executor.quantization import fp8 as fp8_module
 
     run()
-    seconds = timed(run, 3)
+    seconds = gpu_seconds(run, 3)
     profile(run, "fp8 prefill, 8 x 2048 tokens", rows=25)
     # The same prefill with the norms and SiLU-and-mul leaving quantization to its own kernel.
     fp8_module.set_fused_quantization(False)
     try:
-        separate_seconds = timed(run, 3)
+        separate_seconds = gpu_seconds(run, 3)
     finally:
         fp8_module.set_fused_quantization(True)
     free_engine(engine)
     tokens = num * length
-    linear = 2 * config.num_layers * _layer_params(config) * tokens
-    attention = 2 * 2 * config.num_heads * config.head_dim * (length * length / 2) * config.num_layers * num
-    tflops = (linear + attention) / seconds / 1e12
+    tflops = prefill_flops(config, num, length) / seconds / 1e12
     rep.emit({"bench": "gpu_fp8_prefill", "prompts": num, "prompt_tokens": length, "seconds": round(seconds, 4),
               "tok_s": round(tokens / seconds), "model_tflops": round(tflops, 1),
               "baseline": "FP8 GEMM 8192^3 (torch._scaled_mm, row-wise scales, bf16 out) measured in this run",
@@ -344,8 +313,8 @@ def parse_args(argv=None):
 
 def main() -> None:
     args, suites = parse_args()
-    rep = FP8Reporter(args.out, "python " + shlex.join(sys.argv))
-    tokenizer = args.tokenizer_path or next((str(p) for p in TOKENIZERS if p.exists()), None)
+    rep = gpu_reporter(args.out)  # "device": "cpu" without a GPU (the accuracy suite runs there too)
+    tokenizer = args.tokenizer_path or str(LLAMA3_TOKENIZER_GGUF)
 
     def make_engine(**overrides):
         from radixlm.srt import Engine
@@ -354,7 +323,7 @@ def main() -> None:
                         chunked_prefill_size=args.chunked_prefill_size, max_prefill_tokens=args.chunked_prefill_size,
                         page_size=args.page_size)
         settings.update(overrides)
-        return Engine(str(CONFIG), load_format="dummy", tokenizer_path=tokenizer, **settings)
+        return Engine(str(LLAMA_8B_CONFIG), load_format="dummy", tokenizer_path=tokenizer, **settings)
 
     if "decode" in suites:
         bench_decode(make_engine, rep)

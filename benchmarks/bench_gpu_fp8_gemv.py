@@ -13,48 +13,32 @@ line times the 32 layers' four projections back to back at one row: the GEMM par
 decode step, FP8 (shipped configs) vs bf16, against the bandwidth measured in the same run,
 and FP8 with and without programmatic dependent launch (srt/executor/pdl.py).
 
-    python benchmarks/bench_gpu_fp8_gemv.py [--sweep] --out benchmarks/results/gpu_h200_fp8.jsonl
+    python -m benchmarks.bench_gpu_fp8_gemv [--sweep] --out benchmarks/results/gpu_h200_fp8.jsonl
 """
 
 from __future__ import annotations
 
 import argparse
 import itertools
-import shlex
-import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_gpu_llama8b import Reporter, measure_bandwidth  # noqa: E402
+from .gpu_measure import gpu_reporter, graph_replay_us, measure_bandwidth
+from .harness import Reporter
+from .models import LLAMA_8B
 
-SHAPES = {"qkv_proj": (6144, 4096), "o_proj": (4096, 4096), "gate_up_proj": (28672, 4096), "down_proj": (4096, 14336)}
-LAYERS = 32
+SHAPES = LLAMA_8B.projections()
+LAYERS = LLAMA_8B.layers
 L2_BYTES = 50 * 2**20
 
 
 def graph_time_us(calls, replays: int = 20) -> float:
     """Microseconds per call of `calls` (a list of thunks) captured into one CUDA graph."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for fn in calls:  # warm-up (compiles Triton kernels) outside the capture
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    def step() -> None:
         for fn in calls:
             fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(replays):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / (replays * len(calls))
+
+    return graph_replay_us(step, replays) / len(calls)
 
 
 def weights(n: int, k: int, copies: int):
@@ -158,7 +142,7 @@ def main() -> None:
     parser.add_argument("--sweep", action="store_true", help="also time a sweep of tile configurations at 1 and 8 rows")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
-    rep = Reporter(args.out, "python " + shlex.join(sys.argv))
+    rep = gpu_reporter(args.out)
     torch.manual_seed(0)
     bw = measure_bandwidth()
     for rows in (int(r) for r in args.rows.split(",") if r):

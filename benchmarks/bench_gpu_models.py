@@ -13,8 +13,9 @@ the same run.
                    SDPA path cannot soft-cap)
 
 Run on the H200 (see README, "GPU"):
-  python benchmarks/bench_gpu_models.py --suites mixtral_decode,mixtral_offline --out benchmarks/results/gpu_h200_models.jsonl
-  python benchmarks/bench_gpu_models.py --suites gemma2_offline --out benchmarks/results/gpu_h200_models.jsonl
+  python -m benchmarks.bench_gpu_models --suites mixtral_decode,mixtral_offline \
+      --out benchmarks/results/gpu_h200_models.jsonl
+  python -m benchmarks.bench_gpu_models --suites gemma2_offline --out benchmarks/results/gpu_h200_models.jsonl
 """
 
 from __future__ import annotations
@@ -23,16 +24,17 @@ import argparse
 import json
 import math
 import random
-import shlex
-import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import bench_gpu_llama8b as base  # noqa: E402  (shared: Reporter, timed, bandwidth, tokenizer paths)
+from .engine_runs import decode_ms_per_token, offline_seconds
+from .gpu_measure import gpu_reporter, measure_bandwidth
+from .gpu_workloads import offline_workload, random_prompts
+from .harness import timed
+from .hf_baseline import hf_generate_seconds
+from .models import LLAMA3_TOKENIZER_GGUF
 
 SHAPES = {
     "mixtral-8x7b": {
@@ -76,15 +78,9 @@ def active_weight_bytes(config, dtype: torch.dtype = torch.bfloat16) -> int:
     return int(total * dtype.itemsize)
 
 
-def random_prompts(rng: random.Random, lens: list[int], vocab: int) -> list[list[int]]:
-    return [[rng.randrange(100, vocab - 100) for _ in range(n)] for n in lens]
-
-
-def offline_workload(vocab: int, num: int, seed: int = 0):
-    rng = random.Random(seed)
-    in_lens = [rng.randint(512, 1536) for _ in range(num)]
-    out_lens = [rng.randint(128, 384) for _ in range(num)]
-    return random_prompts(rng, in_lens, vocab), out_lens
+def ordinary_ids(vocab: int) -> tuple[int, int]:
+    """The id range prompts draw from: the vocabulary without its first and last 100 (special) ids."""
+    return 100, vocab - 100
 
 
 def run_hf_baseline(rep, name: str, config_path: Path, prompts, out_lens, num: int) -> float:
@@ -93,22 +89,15 @@ def run_hf_baseline(rep, name: str, config_path: Path, prompts, out_lens, num: i
 
     attn = "eager" if AutoConfig.from_pretrained(str(config_path.parent)).model_type == "gemma2" else "sdpa"
     prompts, out_lens = prompts[:num], out_lens[:num]
-    seconds = base.hf_generate_seconds(config_path.parent, prompts, out_lens, attn)
+    seconds = hf_generate_seconds(config_path.parent, prompts, out_lens, attn)
     rep.emit({"bench": f"gpu_offline_hf_baseline_{name}", "system": "hf_transformers_generate", "attention": attn,
               "requests": num, "seconds": round(seconds, 2), "output_tok_s": round(sum(out_lens) / seconds, 1)})
     return sum(out_lens) / seconds
 
 
 def bench_decode(engine, rep, name: str, bw: dict) -> None:
-    prompt = random_prompts(random.Random(1), [128], engine.model_config.vocab_size)[0]
-
-    def gen(n):
-        engine.generate(input_ids=prompt, sampling_params={"temperature": 0, "max_new_tokens": n, "ignore_eos": True})
-        engine.flush_cache()
-
-    short, long = 32, 288
-    gen(long)  # warm-up
-    ms = (base.timed(lambda: gen(long), 3) - base.timed(lambda: gen(short), 3)) / (long - short) * 1e3
+    prompt = random_prompts(random.Random(1), [128], ordinary_ids(engine.model_config.vocab_size))[0]
+    ms = decode_ms_per_token(engine, prompt)
     active = active_weight_bytes(engine.model_config)
     roofline_ms = active / (max(bw.values()) * 1e12) * 1e3
     rep.emit({"bench": f"gpu_decode_bs1_{name}", "prompt_tokens": 128, "ms_per_token": round(ms, 3),
@@ -120,13 +109,7 @@ def bench_decode(engine, rep, name: str, bw: dict) -> None:
 
 def bench_offline(engine, rep, name: str, prompts, out_lens, hf_tok_s: float | None, hf_requests: int) -> None:
     def run(n):
-        params = [{"temperature": 0, "max_new_tokens": m, "ignore_eos": True} for m in out_lens[:n]]
-        start = time.perf_counter()
-        outs = engine.generate(input_ids=prompts[:n], sampling_params=params)
-        seconds = time.perf_counter() - start
-        engine.flush_cache()
-        assert sum(o["meta_info"]["completion_tokens"] for o in outs) == sum(out_lens[:n])
-        return seconds
+        return offline_seconds(engine, prompts[:n], out_lens[:n])
 
     run(16)  # warm-up
     for n in sorted({n for n in (hf_requests, len(prompts)) if n}):
@@ -156,8 +139,8 @@ def main() -> None:
     unknown = suites - {"mixtral_decode", "mixtral_offline", "gemma2_offline"}
     if unknown:
         parser.error(f"unknown suites {sorted(unknown)}")
-    rep = base.Reporter(args.out, "python " + shlex.join(sys.argv))
-    tokenizer = args.tokenizer_path or next(str(p) for p in base.TOKENIZERS if p.exists())
+    rep = gpu_reporter(args.out)
+    tokenizer = args.tokenizer_path or str(LLAMA3_TOKENIZER_GGUF)
     folder = Path(tempfile.mkdtemp(prefix="radixlm-bench-models-"))
 
     from radixlm.srt import Engine
@@ -169,19 +152,19 @@ def main() -> None:
             continue
         config_path = write_config(name, folder)
         vocab = SHAPES[name]["vocab_size"]
-        prompts, out_lens = offline_workload(vocab, args.num_requests)
+        prompts, out_lens = offline_workload(num=args.num_requests, ids=ordinary_ids(vocab))
         offline = any(s.endswith("offline") for s in wanted)
         hf_tok_s = (run_hf_baseline(rep, name, config_path, prompts, out_lens, args.hf_requests)
                     if offline and args.hf_requests else None)
-        bw = base.measure_bandwidth() if "mixtral_decode" in wanted else None
+        bw = measure_bandwidth() if "mixtral_decode" in wanted else None
         torch.cuda.synchronize()
-        start = time.perf_counter()
-        engine = Engine(str(config_path), load_format="dummy", tokenizer_path=tokenizer,
-                        max_running_requests=args.max_running_requests,
-                        cuda_graph_max_bs=min(512, args.max_running_requests),
-                        chunked_prefill_size=args.chunked_prefill_size, max_prefill_tokens=args.chunked_prefill_size,
-                        disable_cuda_graph=args.disable_cuda_graph)
-        rep.emit({"bench": f"gpu_engine_ready_{name}", "seconds": round(time.perf_counter() - start, 1),
+        engine, ready_s = timed(Engine, str(config_path), load_format="dummy", tokenizer_path=tokenizer,
+                                max_running_requests=args.max_running_requests,
+                                cuda_graph_max_bs=min(512, args.max_running_requests),
+                                chunked_prefill_size=args.chunked_prefill_size,
+                                max_prefill_tokens=args.chunked_prefill_size,
+                                disable_cuda_graph=args.disable_cuda_graph)
+        rep.emit({"bench": f"gpu_engine_ready_{name}", "seconds": round(ready_s, 1),
                   "kv_tokens": engine.scheduler.allocator.capacity,
                   "note": "in-process Engine (dummy weights, CUDA graphs), without interpreter/import time"})
         if "mixtral_decode" in wanted:

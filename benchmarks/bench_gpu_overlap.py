@@ -13,27 +13,24 @@ the same run (the baseline; ratio = baseline ms / variant ms, > 1 is faster):
                     each), against the same kernels on one stream; also with the attention (or
                     the GEMMs) held to some SMs by a CUDA green context (torch.cuda.green_contexts).
 
-    python benchmarks/bench_gpu_overlap.py --out benchmarks/results/gpu_h200_fp8.jsonl
+    python -m benchmarks.bench_gpu_overlap --out benchmarks/results/gpu_h200_fp8.jsonl
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import shlex
-import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_gpu_decode_attention import HEAD_DIM, HEADS, KV_HEADS, LAYERS, graph_us  # noqa: E402
+from .gpu_measure import gpu_reporter, graph_replay_us
+from .models import LLAMA_8B
 
-HIDDEN, INTER = 4096, 14336
+HEADS, KV_HEADS, HEAD_DIM, LAYERS = LLAMA_8B.heads, LLAMA_8B.kv_heads, LLAMA_8B.head_dim, LLAMA_8B.layers
+HIDDEN, INTER = LLAMA_8B.hidden, LLAMA_8B.intermediate
 FP8 = torch.float8_e4m3fn
 # (N, K) of qkv_proj, o_proj, gate_up_proj, down_proj
-PROJECTIONS = ((6144, HIDDEN), (HIDDEN, HIDDEN), (2 * INTER, HIDDEN), (HIDDEN, INTER))
+PROJECTIONS = tuple(LLAMA_8B.projections().values())
 
 
 class Gemms:
@@ -108,7 +105,7 @@ def eager_ms(step, reps: int = 10) -> float:
 
 def graph_ms(step) -> float:
     """ms per step (all LAYERS layers) replayed from a CUDA graph."""
-    return graph_us(step) * LAYERS / 1e3
+    return graph_replay_us(step) / 1e3
 
 
 def green_stream(num_sms: int, keep: list) -> torch.cuda.Stream:
@@ -190,25 +187,18 @@ def main() -> None:
     args = parser.parse_args()
     device = torch.device("cuda")
     sm_count = torch.cuda.get_device_properties(device).multi_processor_count
-    command = "python benchmarks/bench_gpu_overlap.py " + shlex.join(sys.argv[1:])
-    common = {"device": torch.cuda.get_device_name(device), "batch": args.batch, "kv_len": args.kv_len,
-              "baseline": "the same kernels on one stream, measured in this run", "command": command}
+    rep = gpu_reporter(args.out)
+    common = {"batch": args.batch, "kv_len": args.kv_len,
+              "baseline": "the same kernels on one stream, measured in this run"}
     gemms = Gemms(device)
-    lines = []
     for kv_dtype in (torch.bfloat16, FP8):
         attn = Attention(args.batch, args.kv_len, kv_dtype, device)
         kv = "fp8_e4m3" if kv_dtype == FP8 else "bf16"
-        lines.append({"bench": "gpu_overlap_nano_batches", "kv": kv, **nano_batches(gemms, attn, args.batch),
-                      **common})
-        print(json.dumps(lines[-1]), flush=True)
-        lines.append({"bench": "gpu_overlap_beside_prefill", "kv": kv, "prefill_rows": args.prefill_rows,
-                      **beside_prefill(gemms, attn, args.prefill_rows, sm_count), **common})
-        print(json.dumps(lines[-1]), flush=True)
+        rep.emit({"bench": "gpu_overlap_nano_batches", "kv": kv, **nano_batches(gemms, attn, args.batch), **common})
+        rep.emit({"bench": "gpu_overlap_beside_prefill", "kv": kv, "prefill_rows": args.prefill_rows,
+                  **beside_prefill(gemms, attn, args.prefill_rows, sm_count), **common})
         del attn
         torch.cuda.empty_cache()
-    if args.out:
-        with Path(args.out).open("a") as f:
-            f.writelines(json.dumps(line) + "\n" for line in lines)
 
 
 if __name__ == "__main__":

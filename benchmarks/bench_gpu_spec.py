@@ -5,15 +5,15 @@ baseline measured in the same run.
           drafts per request, K = 2, 4, 8) at batch 1, 8 and 64, against one plain decode step
           of the same batch (CUDA graph, as the engine runs it), 512 tokens of context each
   ngram   the real default model (--gguf, SmolLM2-135M-Instruct): the n-gram workloads of
-          bench_spec_ngram.py (extraction, code edit, chat), one request at a time, greedy:
+          spec_workloads.py (extraction, code edit, chat), one request at a time, greedy:
           mean accepted length and speedup against speculation off, outputs compared
   draft   the same workloads with a draft model: the default model cut to its first
           --draft-layers layers (a cheap draft, few acceptances) and the whole model drafting
           for itself (every draft accepted, no cheaper): acceptance and speedup against off
 
-    python benchmarks/bench_gpu_spec.py --gguf /tmp/SmolLM2-135M-Instruct.Q4_1.gguf \\
+    python -m benchmarks.bench_gpu_spec --gguf /tmp/SmolLM2-135M-Instruct.Q4_1.gguf \\
         --out benchmarks/results/gpu_h200_spec.jsonl              # all suites, ~5 min on an H200
-    python benchmarks/bench_gpu_spec.py --suites verify           # no GGUF needed
+    python -m benchmarks.bench_gpu_spec --suites verify           # no GGUF needed
 """
 
 from __future__ import annotations
@@ -21,16 +21,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shlex
 import statistics
-import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from bench_gpu_llama8b import CONFIG, TOKENIZERS, Reporter, random_prompts  # noqa: E402
-from bench_spec_ngram import WORKLOADS, run  # noqa: E402
+from .engine_runs import free_engine
+from .gpu_measure import gpu_reporter
+from .gpu_workloads import random_prompts
+from .harness import Reporter
+from .models import LLAMA3_TOKENIZER_GGUF, LLAMA_8B_CONFIG
+from .spec_workloads import WORKLOADS, run
 
 CONTEXT_LEN = 512
 
@@ -160,26 +160,16 @@ def main() -> None:
         parser.error(f"unknown suites: {', '.join(sorted(unknown))}")
     if suites & {"ngram", "draft"} and not args.gguf:
         parser.error("--gguf PATH is needed by the ngram and draft suites")
-    rep = Reporter(args.out, "python " + shlex.join(sys.argv))
-    import gc
-
-    import torch
-
+    rep = gpu_reporter(args.out)
     from radixlm.srt import Engine
 
-    def release(*engines) -> None:
-        for engine in engines:
-            engine.shutdown()
-        gc.collect()
-        torch.cuda.empty_cache()
-
     if "verify" in suites:
-        tokenizer = args.tokenizer_path or next(str(p) for p in TOKENIZERS if p.exists())
-        engine = Engine(str(CONFIG), load_format="dummy", tokenizer_path=tokenizer, max_running_requests=512,
+        tokenizer = args.tokenizer_path or str(LLAMA3_TOKENIZER_GGUF)
+        engine = Engine(str(LLAMA_8B_CONFIG), load_format="dummy", tokenizer_path=tokenizer, max_running_requests=512,
                         disable_overlap_schedule=True)
         verify_cost(engine, rep, [int(b) for b in args.batch_sizes.split(",")],
                     [int(k) for k in args.draft_counts.split(",")], args.repeats)
-        release(engine)
+        free_engine(engine)
     workloads = args.workloads.split(",")
     common = {"max_total_tokens": 65536}
     if suites & {"ngram", "draft"}:
@@ -188,7 +178,7 @@ def main() -> None:
         spec = Engine(args.gguf, speculative_algorithm="ngram", speculative_num_draft_tokens=args.draft_tokens, **common)
         compare(rep, plain, spec, {"algorithm": "ngram", "drafts": args.draft_tokens}, workloads, args.runs,
                 args.max_new_tokens)
-        release(spec)
+        free_engine(spec)
     if "draft" in suites:
         local_dir = _local_dir(args.gguf)
         for layers, path in ((args.draft_layers, truncated_copy(local_dir, args.draft_layers)), (None, args.gguf)):
@@ -197,9 +187,9 @@ def main() -> None:
             label = {"algorithm": "draft", "drafts": args.draft_tokens,
                      "draft_model": f"first {layers} of 30 layers" if layers else "the target itself"}
             compare(rep, plain, spec, label, workloads, args.runs, args.max_new_tokens)
-            release(spec)
+            free_engine(spec)
     if suites & {"ngram", "draft"}:
-        release(plain)
+        free_engine(plain)
 
 
 def _local_dir(gguf: str) -> str:

@@ -2,34 +2,33 @@
 baseline measured in the same run; vLLM's figures are recorded ones, labelled so.
 
   8b    Llama-3.1-8B shape: TP=1 then TP=2: batch-1 decode ms/token (goal: TP=2 <= 0.6x TP=1)
-        and the offline workload (bench_gpu_llama8b.py's: input U[512,1536], output U[128,384])
+        and the offline workload (gpu_workloads.py: input U[512,1536], output U[128,384])
   70b   Llama-3.1-70B shape (hidden 8192, 80 layers, 64 heads, 8 KV heads, FFN 28672, vocab
         128256) on TP=2 (it does not fit one H200): batch-1 decode against the two-GPU bandwidth
         roofline, weight bytes / (2 x one GPU's bandwidth measured here) (goal >= 0.88), and
         400 offline requests. vLLM 0.24.0 TP=2 on the same machine kind, 2026-11-30, dummy
         weights (recorded, not run here): 19.84 ms/token, 400 requests in 76.6 s, 1343 output tok/s.
 
-  python benchmarks/bench_gpu_tp.py --suites 8b --out benchmarks/results/gpu_h200x2_tp.jsonl
-  python benchmarks/bench_gpu_tp.py --suites 70b --out benchmarks/results/gpu_h200x2_tp.jsonl
+  python -m benchmarks.bench_gpu_tp --suites 8b --out benchmarks/results/gpu_h200x2_tp.jsonl
+  python -m benchmarks.bench_gpu_tp --suites 70b --out benchmarks/results/gpu_h200x2_tp.jsonl
 """
 
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
-import shlex
-import sys
+import random
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_gpu_fp8 import decode_ms_per_token  # noqa: E402
-from bench_gpu_llama8b import CONFIG, TOKENIZERS, Reporter, measure_bandwidth, offline_workload  # noqa: E402
+from .engine_runs import decode_ms_per_token, free_engine, offline_seconds
+from .gpu_measure import gpu_reporter, measure_bandwidth
+from .gpu_workloads import offline_workload, random_prompts
+from .harness import Reporter, timed
+from .models import LLAMA3_TOKENIZER_GGUF, LLAMA_8B_CONFIG
 
 LLAMA_70B = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 8192,
              "intermediate_size": 28672, "num_hidden_layers": 80, "num_attention_heads": 64,
@@ -43,16 +42,14 @@ VLLM_70B_TP2_RECORDED = {"decode_ms_per_token": 19.84, "offline_400_seconds": 76
                 "settings": "tensor_parallel_size=2, dummy weights, bf16", "measured_in_this_run": False}
 
 
-def offline_seconds(engine, prompts, out_lens) -> float:
-    params = [{"temperature": 0, "max_new_tokens": m, "ignore_eos": True} for m in out_lens]
-    engine.generate(input_ids=prompts[:16], sampling_params=params[:16])  # warm-up
-    engine.flush_cache()
-    start = time.perf_counter()
-    outs = engine.generate(input_ids=prompts, sampling_params=params)
-    seconds = time.perf_counter() - start
-    engine.flush_cache()
-    assert sum(o["meta_info"]["completion_tokens"] for o in outs) == sum(out_lens)
-    return seconds
+def warm_offline_seconds(engine, prompts, out_lens) -> float:
+    """The offline workload's seconds, after a 16-request warm-up."""
+    offline_seconds(engine, prompts[:16], out_lens[:16])
+    return offline_seconds(engine, prompts, out_lens)
+
+
+def decode_ms(engine) -> float:
+    return decode_ms_per_token(engine, random_prompts(random.Random(1), [128])[0])
 
 
 def make_engine(config_path: str, tokenizer: str, tp: int, **kw):
@@ -62,23 +59,15 @@ def make_engine(config_path: str, tokenizer: str, tp: int, **kw):
                   chunked_prefill_size=16384, max_prefill_tokens=16384, **kw)
 
 
-def close(engine) -> None:
-    engine.shutdown()
-    gc.collect()
-    torch.cuda.empty_cache()
-
-
 def bench_8b(rep: Reporter, tokenizer: str, num_requests: int, offline: bool = True) -> None:
     prompts, out_lens = offline_workload(num=num_requests)
     out_tokens = sum(out_lens)
     results = {}
     for tp in (1, 2):
-        started = time.perf_counter()
-        engine = make_engine(str(CONFIG), tokenizer, tp)
-        ready = time.perf_counter() - started
-        results[tp] = {"decode_ms": decode_ms_per_token(engine), "ready_s": ready,
-                       "offline_s": offline_seconds(engine, prompts, out_lens) if offline else None}
-        close(engine)
+        engine, ready = timed(make_engine, str(LLAMA_8B_CONFIG), tokenizer, tp)
+        results[tp] = {"decode_ms": decode_ms(engine), "ready_s": ready,
+                       "offline_s": warm_offline_seconds(engine, prompts, out_lens) if offline else None}
+        free_engine(engine)
     one, two = results[1], results[2]
     rep.emit({"bench": "gpu_tp_decode_bs1", "model": "llama-3.1-8b shape", "tp": 2,
               "ms_per_token": round(two["decode_ms"], 3), "baseline": "tp=1 in this run",
@@ -100,11 +89,9 @@ def bench_70b(rep: Reporter, tokenizer: str, num_requests: int, workdir: Path) -
     bw = measure_bandwidth()  # one GPU's; the two GPUs read their halves at once
     config_path = workdir / "llama-3.1-70b.json"
     config_path.write_text(json.dumps(LLAMA_70B))
-    started = time.perf_counter()
-    engine = make_engine(str(config_path), tokenizer, 2)
-    ready = time.perf_counter() - started
+    engine, ready = timed(make_engine, str(config_path), tokenizer, 2)
     weight_bytes = model_bytes(engine.model_config, torch.bfloat16)
-    ms = decode_ms_per_token(engine)
+    ms = decode_ms(engine)
     best_bw = max(bw["read_tb_s"], bw["copy_tb_s"]) * 1e12
     roofline_ms = weight_bytes / (2 * best_bw) * 1e3
     rep.emit({"bench": "gpu_tp_decode_bs1", "model": "llama-3.1-70b shape", "tp": 2, "ms_per_token": round(ms, 3),
@@ -115,13 +102,13 @@ def bench_70b(rep: Reporter, tokenizer: str, num_requests: int, workdir: Path) -
               "all_reduce": os.environ.get("RADIXLM_TP_ALLREDUCE", "nccl"),
               "ratio_vs_vllm_recorded": round(VLLM_70B_TP2_RECORDED["decode_ms_per_token"] / ms, 3)})
     prompts, out_lens = offline_workload(num=num_requests)
-    seconds = offline_seconds(engine, prompts, out_lens)
+    seconds = warm_offline_seconds(engine, prompts, out_lens)
     tok_s = sum(out_lens) / seconds
     rep.emit({"bench": "gpu_tp_offline", "model": "llama-3.1-70b shape", "tp": 2, "requests": num_requests,
               "seconds": round(seconds, 2), "output_tok_s": round(tok_s, 1), "vllm_recorded": VLLM_70B_TP2_RECORDED,
               "ratio_vs_vllm_recorded": round(tok_s / VLLM_70B_TP2_RECORDED["offline_400_output_tok_s"], 3),
               "note": "no in-run baseline: the 70B shape does not fit one GPU; vLLM's figure is recorded"})
-    close(engine)
+    free_engine(engine)
 
 
 def main() -> None:
@@ -132,8 +119,8 @@ def main() -> None:
     parser.add_argument("--num-requests", type=int, default=None, help="offline requests (8b: 1000, 70b: 400)")
     args = parser.parse_args()
     suites = set(args.suites.split(","))
-    rep = Reporter(args.out, "python " + shlex.join(sys.argv))
-    tokenizer = args.tokenizer_path or next(str(p) for p in TOKENIZERS if p.exists())
+    rep = gpu_reporter(args.out)
+    tokenizer = args.tokenizer_path or str(LLAMA3_TOKENIZER_GGUF)
     if torch.cuda.device_count() < 2:
         raise SystemExit("bench_gpu_tp needs two GPUs")
     if "8b" in suites or "8b_decode" in suites:

@@ -14,8 +14,8 @@ lang-overhead: `run_batch` of 64 one-gen programs against the same 64 requests s
 The cache is flushed before every timed run. The server is stopped (SIGTERM, then SIGKILL of its
 process group) on exit, errors, Ctrl-C and SIGTERM. Traffic goes to 127.0.0.1 only.
 
-    python benchmarks/bench_lang.py --quick
-    python benchmarks/bench_lang.py all --out benchmarks/results/cpu_lang.jsonl
+    python -m benchmarks.bench_lang --quick
+    python -m benchmarks.bench_lang all --out benchmarks/results/cpu_lang.jsonl
 """
 
 from __future__ import annotations
@@ -36,10 +36,12 @@ from typing import Any, Callable
 
 import httpx
 
-import lang_workloads as wl
 import radixlm as sgl
 from radixlm.function import _thread_count  # what run_batch's num_threads="auto" resolves to
-from serving_server import ManagedServer, emit, measure_noise, raise_on_sigterm, wait_until_quiet
+
+from . import lang_workloads as wl
+from .cpu_noise import measure_noise, wait_until_quiet
+from .harness import Reporter, ServerProcess, command_line, raise_on_sigterm
 
 logger = logging.getLogger("bench.lang")
 
@@ -155,7 +157,7 @@ class HFScorer:
     def __init__(self, model_path: str | None, tokenizer):
         import torch
 
-        from hf_baseline import load_hf_model
+        from .hf_baseline import load_hf_model
 
         torch.set_num_threads(os.cpu_count() or 1)
         self.torch = torch
@@ -205,7 +207,8 @@ def _common_prefix_len(a: list[int], b: list[int]) -> int:
     return n
 
 
-def bench_few_shot_select(server: ManagedServer, args: argparse.Namespace) -> None:
+def bench_few_shot_select(server: ServerProcess, args: argparse.Namespace) -> None:
+    report = Reporter(args.out)
     url, pgid = server.base_url, server.proc.pid
     questions = list(wl.QUESTIONS[:args.num_questions])
     endpoint = sgl.RuntimeEndpoint(url, timeout=args.request_timeout)
@@ -229,7 +232,7 @@ def bench_few_shot_select(server: ManagedServer, args: argparse.Namespace) -> No
                      "accuracy": _accuracy(ours["picks"], questions),
                      "server_cache": info.get("cache"), "server_kv_leaked": (info.get("kv") or {}).get("leaked"),
                      **noise}
-        emit(ours_line, args)
+        report.emit(ours_line)
         if not budget.again(noise, "radixlm select"):
             break
     server.stop()  # HF runs alone on the cores
@@ -245,24 +248,24 @@ def bench_few_shot_select(server: ManagedServer, args: argparse.Namespace) -> No
                        "questions_per_s": round(len(questions) / seconds, 3),
                        "accuracy": _accuracy(theirs["picks"], questions), "forward_passes": theirs["forward_passes"],
                        "forward_tokens": theirs["forward_tokens"], **noise}
-        emit(theirs_line, args)
+        report.emit(theirs_line)
         if not budget.again(noise, "HF scoring"):
             break
 
     same = sum(a == b for a, b in zip(ours["picks"], theirs["picks"]))
     score_diff = max(abs(a - b) for ra, rb in zip(ours["scores"], theirs["scores"]) for a, b in zip(ra, rb))
     ratio = ours_line["questions_per_s"] / theirs_line["questions_per_s"]
-    emit({"bench": "lang", "workload": "few-shot-select", "system": ours_line["system"],
-          "baseline": theirs_line["system"], "metric": "questions_per_s", "ours": ours_line["questions_per_s"],
-          "theirs": theirs_line["questions_per_s"], "ratio": round(ratio, 2), "goal": 10.0,
-          "meets_goal": ratio >= 10.0, "accuracy_ours": ours_line["accuracy"],
-          "accuracy_theirs": theirs_line["accuracy"], "same_picks": f"{same}/{len(questions)}",
-          "max_abs_score_diff": float(f"{score_diff:.3g}"),
-          "cache_hit_rate": (ours_line["server_cache"] or {}).get("hit_rate"),
-          "noisy": ours_line["noisy"] or theirs_line["noisy"],
-          "busy_machine": ours_line["busy_machine"] or theirs_line["busy_machine"],
-          "picks_ours": [p.strip() for p in ours["picks"]], "picks_theirs": [p.strip() for p in theirs["picks"]]},
-         args)
+    report.emit({"bench": "lang", "workload": "few-shot-select", "system": ours_line["system"],
+                 "baseline": theirs_line["system"], "metric": "questions_per_s", "ours": ours_line["questions_per_s"],
+                 "theirs": theirs_line["questions_per_s"], "ratio": round(ratio, 2), "goal": 10.0,
+                 "meets_goal": ratio >= 10.0, "accuracy_ours": ours_line["accuracy"],
+                 "accuracy_theirs": theirs_line["accuracy"], "same_picks": f"{same}/{len(questions)}",
+                 "max_abs_score_diff": float(f"{score_diff:.3g}"),
+                 "cache_hit_rate": (ours_line["server_cache"] or {}).get("hit_rate"),
+                 "noisy": ours_line["noisy"] or theirs_line["noisy"],
+                 "busy_machine": ours_line["busy_machine"] or theirs_line["busy_machine"],
+                 "picks_ours": [p.strip() for p in ours["picks"]],
+                 "picks_theirs": [p.strip() for p in theirs["picks"]]})
 
 
 # ---- lang-overhead -----------------------------------------------------------------------------
@@ -307,7 +310,8 @@ def _check(outs: list[dict[str, Any]], system: str) -> dict[str, Any]:
             "output_tokens": sum(o["meta_info"]["completion_tokens"] for o in outs)}
 
 
-def bench_lang_overhead(server: ManagedServer, args: argparse.Namespace) -> None:
+def bench_lang_overhead(server: ServerProcess, args: argparse.Namespace) -> None:
+    report = Reporter(args.out)
     url, pgid = server.base_url, server.proc.pid
     prompts = wl.overhead_prompts(args.num_programs)
     in_flight = _thread_count("auto", len(prompts))
@@ -335,7 +339,7 @@ def bench_lang_overhead(server: ManagedServer, args: argparse.Namespace) -> None
                 line = {**common, "system": name, "run": run, "duration_s": round(seconds, 3),
                         "req_s": round(len(prompts) / seconds, 3), **_check(outs, name), **noise}
                 lines[name].append(line)
-                emit(line, args)
+                report.emit(line)
                 if not budget.again(noise, name):
                     break
     times = {name: [line["duration_s"] for line in _clean(lines[name])] for name in systems}
@@ -344,13 +348,14 @@ def bench_lang_overhead(server: ManagedServer, args: argparse.Namespace) -> None
     busy = any(line["busy_machine"] for line in every)
     lang_s, raw_s = (statistics.median(times[name]) for name in systems)
     same = sum(a == b for a, b in zip(*texts.values()))
-    emit({"bench": "lang", "workload": "lang-overhead", "system": "radixlm-run_batch-gen",
-          "baseline": "raw-generate", "metric": "wall_s (median of runs, clean ones if any)", "runs": args.num_runs,
-          "ours": round(lang_s, 3), "theirs": round(raw_s, 3), "ratio": round(lang_s / raw_s, 3), "goal": 1.05,
-          "meets_goal": lang_s / raw_s <= 1.05, "all_ours": [round(t, 3) for t in times["radixlm-run_batch-gen"]],
-          "all_theirs": [round(t, 3) for t in times["raw-generate"]], "in_flight": in_flight,
-          "noisy_runs_dropped": sum(len(lines[name]) - len(_clean(lines[name])) for name in systems),
-          "same_outputs": f"{same}/{len(prompts)}", "noisy": noisy, "busy_machine": busy}, args)
+    report.emit({"bench": "lang", "workload": "lang-overhead", "system": "radixlm-run_batch-gen",
+                 "baseline": "raw-generate", "metric": "wall_s (median of runs, clean ones if any)",
+                 "runs": args.num_runs, "ours": round(lang_s, 3), "theirs": round(raw_s, 3),
+                 "ratio": round(lang_s / raw_s, 3), "goal": 1.05, "meets_goal": lang_s / raw_s <= 1.05,
+                 "all_ours": [round(t, 3) for t in times["radixlm-run_batch-gen"]],
+                 "all_theirs": [round(t, 3) for t in times["raw-generate"]], "in_flight": in_flight,
+                 "noisy_runs_dropped": sum(len(lines[name]) - len(_clean(lines[name])) for name in systems),
+                 "same_outputs": f"{same}/{len(prompts)}", "noisy": noisy, "busy_machine": busy})
 
 
 # ---- main --------------------------------------------------------------------------------------
@@ -389,9 +394,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return args
 
 
-def with_server(args: argparse.Namespace, fn: Callable[[ManagedServer, argparse.Namespace], None]) -> None:
+def with_server(args: argparse.Namespace, fn: Callable[[ServerProcess, argparse.Namespace], None]) -> None:
     extra = shlex.split(args.server_args) + (["--model-path", args.model_path] if args.model_path else [])
-    server = ManagedServer(extra, args.startup_timeout)
+    server = ServerProcess(*extra, startup_timeout=args.startup_timeout, own_group=True)
     try:
         fn(server, args)
     finally:
@@ -406,7 +411,7 @@ def main(argv: list[str]) -> int:
     signal.signal(signal.SIGINT, signal.default_int_handler)
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        header = {"bench": "lang", "command": shlex.join([sys.executable, *sys.argv]),
+        header = {"bench": "lang", "command": command_line(),
                   "time": datetime.datetime.now().isoformat(timespec="seconds"), "quick": args.quick,
                   "cpu_count": os.cpu_count(), "server_args": args.server_args, **load_now()}
         with open(args.out, "a") as f:

@@ -8,21 +8,21 @@ longest common prefix (with the same slice-based comparison helper, so the ratio
 data structure, not the comparison loop); being slow, it runs on a small sample of the same
 requests. Prints one JSON line per result.
 
-    python benchmarks/bench_radix.py [--quick] [--seed 0]
+    python -m benchmarks.bench_radix [--quick] [--seed 0]
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
-import json
 import random
-import time
 from array import array
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from radixlm.radix import RadixCache, common_prefix_len
+
+from .harness import Reporter, ratio, timed
 
 VOCAB_SIZE = 128256  # Llama-3 vocabulary: realistic token-id spread
 
@@ -128,26 +128,27 @@ def new_requests(w: Workload, rng: random.Random, prefixes: list[list[int]],
     return {"fewshot": fewshot, "multiturn": multiturn}
 
 
-def timed(fn: Callable[[list], object], items: list) -> float:
+def seconds_for_each(fn: Callable[[list], object], items: list) -> float:
     """Seconds to call fn on each item (results dropped, as a scheduler drops them soon)."""
+    def each() -> None:
+        for item in items:
+            fn(item)
+
     gc.collect()  # start each measurement from the same collector state
-    start = time.perf_counter()
-    for item in items:
-        fn(item)
-    return time.perf_counter() - start
+    return timed(each)[1]
 
 
 def rate_line(bench: str, workload: str, tree_tokens: int, ops: int, token_count: int,
-              seconds: float, base_ops: int, base_seconds: float, **extra: object) -> str:
+              seconds: float, base_ops: int, base_seconds: float, **extra: object) -> dict:
     ops_per_s = ops / seconds
     base_ops_per_s = base_ops / base_seconds
-    return json.dumps({
+    return {
         "bench": bench, "workload": workload, "tree_tokens": tree_tokens, "ops": ops,
         "ops_per_s": round(ops_per_s, 1), "tokens_per_s": round(token_count / seconds),
         "baseline": "naive_linear_scan", "baseline_ops": base_ops,
         "baseline_ops_per_s": round(base_ops_per_s, 2),
-        "ratio": round(ops_per_s / base_ops_per_s, 1),
-        **extra})
+        "ratio": ratio(ops_per_s, base_ops_per_s, 1),
+        **extra}
 
 
 def main() -> None:
@@ -164,30 +165,30 @@ def main() -> None:
     cache = RadixCache(capacity=1 << 40, free_slots=lambda freed: None)
     naive = NaiveCache()
 
-    build_s = timed(lambda key: cache.insert(key, slots.alloc(len(key))), inserts)
+    build_s = seconds_for_each(lambda key: cache.insert(key, slots.alloc(len(key))), inserts)
     naive.seqs = list(inserts)  # its build cost is the scans measured below, on a sample
     tree_tokens = cache.total_size
-    print(json.dumps({"bench": "radix_build", "tree_tokens": tree_tokens,
-                      "nodes": cache.node_count(), "inserts": len(inserts),
-                      "inserted_tokens": sum(map(len, inserts)), "seconds": round(build_s, 3),
-                      "baseline": "naive_linear_scan", "baseline_sequences": len(naive.seqs)}))
+    report = Reporter(None)
+    report.emit({"bench": "radix_build", "tree_tokens": tree_tokens, "nodes": cache.node_count(),
+                 "inserts": len(inserts), "inserted_tokens": sum(map(len, inserts)), "seconds": round(build_s, 3),
+                 "baseline": "naive_linear_scan", "baseline_sequences": len(naive.seqs)})
 
     for kind, reqs in requests.items():
         sample = reqs[:w.baseline_queries]
         cache.reset_stats()
-        match_s = timed(lambda req: cache.match_prefix(req[0]), reqs)
+        match_s = seconds_for_each(lambda req: cache.match_prefix(req[0]), reqs)
         hit_rate = round(cache.stats["hit_rate"], 4)
-        base_s = timed(lambda req: naive.match_len(req[0]), sample)
-        print(rate_line("radix_match", kind, tree_tokens, len(reqs),
+        base_s = seconds_for_each(lambda req: naive.match_len(req[0]), sample)
+        report.emit(rate_line("radix_match", kind, tree_tokens, len(reqs),
                         sum(len(p) for p, _ in reqs), match_s, len(sample), base_s,
                         hit_rate=hit_rate))
 
     for kind, reqs in requests.items():
         sample = reqs[:w.baseline_queries]
         fresh = [(full, slots.alloc(len(full))) for _, full in reqs]  # allocation not timed
-        insert_s = timed(lambda item: cache.insert(*item), fresh)
-        base_s = timed(lambda req: naive.insert(req[1]), sample)
-        print(rate_line("radix_insert", kind, cache.total_size, len(reqs),
+        insert_s = seconds_for_each(lambda item: cache.insert(*item), fresh)
+        base_s = seconds_for_each(lambda req: naive.insert(req[1]), sample)
+        report.emit(rate_line("radix_insert", kind, cache.total_size, len(reqs),
                         sum(len(full) for full, _ in fresh), insert_s, len(sample), base_s))
 
 

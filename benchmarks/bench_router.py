@@ -10,10 +10,10 @@ tok/s, cached-token fraction = cached / prompt tokens, requests per worker) and 
 ratios (b)/(a) and (b)/(c).
 
 CPU (the default model; each CPU replica gets half the cores, so (a) uses half the machine):
-  python benchmarks/bench_router.py --out benchmarks/results/cpu_router.jsonl
+  python -m benchmarks.bench_router --out benchmarks/results/cpu_router.jsonl
 Two H200s, Llama-3.1-8B shape with dummy weights (64 groups x 16, 2048 shared + 256 unique
-tokens, 128 out; the serving flags of bench_gpu_llama8b.py):
-  python benchmarks/bench_router.py --preset gpu-llama8b --out benchmarks/results/gpu_h200x2_router.jsonl
+tokens, 128 out; the serving flags of bench_gpu_llama8b):
+  python -m benchmarks.bench_router --preset gpu-llama8b --out benchmarks/results/gpu_h200x2_router.jsonl
 """
 
 from __future__ import annotations
@@ -21,25 +21,24 @@ from __future__ import annotations
 import argparse
 import asyncio
 import datetime
-import json
 import os
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import httpx
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import serving_datasets as ds  # noqa: E402
-from serving_server import ManagedServer, measure_noise, raise_on_sigterm  # noqa: E402
+from radixlm.srt.router.cli import raise_open_files_limit
 
-from radixlm.srt.router.cli import raise_open_files_limit  # noqa: E402
+from . import gpu_workloads
+from . import serving_datasets as ds
+from .cpu_noise import measure_noise
+from .harness import Reporter, RouterProcess, ServerProcess, command_line, raise_on_sigterm, ratio
+from .models import LLAMA3_TOKENIZER_GGUF, LLAMA_8B_CONFIG
 
-# bench_gpu_llama8b.py's serving flags; the queue holds the whole workload (one replica alone
+# bench_gpu_llama8b's serving flags; the queue holds the whole workload (one replica alone
 # gets all 1024 requests at once).
 GPU_SERVER_ARGS = ("--max-running-requests 512 --cuda-graph-max-bs 512 --chunked-prefill-size 16384 "
                    "--max-prefill-tokens 16384 --max-queued-requests 1024")
@@ -55,9 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", choices=sorted(PRESETS), default="cpu")
     p.add_argument("--model-path", default=None, help="passed to the replicas (gpu-llama8b: the Llama-3.1-8B "
-                   "config of bench_gpu_llama8b.py)")
+                   "config in benchmarks/models)")
     p.add_argument("--load-format", default=None)
-    p.add_argument("--tokenizer-path", default=None, help="gpu-llama8b: found as bench_gpu_llama8b.py finds it")
+    p.add_argument("--tokenizer-path", default=None, help="gpu-llama8b: the Llama-3 tokenizer in benchmarks/models")
     p.add_argument("--server-args", default=None, help="more flags for the replicas, one string")
     p.add_argument("--groups", type=int, default=None)
     p.add_argument("--per-group", type=int, default=None)
@@ -75,10 +74,8 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
         if getattr(args, name, None) is None:
             setattr(args, name, value)
     if args.preset == "gpu-llama8b":
-        import bench_gpu_llama8b as llama
-
-        args.model_path = args.model_path or str(llama.CONFIG)
-        args.tokenizer_path = args.tokenizer_path or next(str(t) for t in llama.TOKENIZERS if t.exists())
+        args.model_path = args.model_path or str(LLAMA_8B_CONFIG)
+        args.tokenizer_path = args.tokenizer_path or str(LLAMA3_TOKENIZER_GGUF)
     return args
 
 
@@ -92,9 +89,7 @@ def replica_flags(args: argparse.Namespace) -> list[str]:
 
 def workload(args: argparse.Namespace, vocab_size: int) -> list[list[int]]:
     if vocab_size >= 128000:  # the Llama-3 vocabulary: the GPU benchmarks' own workload
-        import bench_gpu_llama8b as llama
-
-        return llama.shared_prefix_workload(args.groups, args.per_group, args.prefix_len, args.unique_len)
+        return gpu_workloads.shared_prefix_workload(args.groups, args.per_group, args.prefix_len, args.unique_len)
     pool = list(range(1000, vocab_size))
     wl = ds.shared_prefix_workload(pool, args.groups, args.per_group, args.prefix_len, args.unique_len,
                                    args.output_len, seed=3)
@@ -130,43 +125,6 @@ async def run(base_url: str, prompts: list[list[int]], output_len: int, headers:
             "requests_per_worker": per_worker}
 
 
-class RouterProcess:
-    def __init__(self, worker_urls: list[str], policy: str, timeout: float):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        self.base_url = f"http://127.0.0.1:{self.port}"
-        self.log = open(f"/tmp/radixlm-bench-router-{self.port}.log", "w")
-        self.proc = subprocess.Popen([sys.executable, "-c", "from radixlm.srt.launch import cli; cli()", "router",
-                                      "--port", str(self.port), "--policy", policy, "--request-timeout", str(timeout),
-                                      "--worker-urls", *worker_urls], stdout=self.log, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                if httpx.get(self.base_url + "/health", timeout=2, trust_env=False).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"router did not start; see {self.log.name}")
-            time.sleep(0.2)
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            self.proc.wait(30)
-        self.log.close()
-
-
-def emit(line: dict, out: str | None) -> None:
-    text = json.dumps(line)
-    print(text, flush=True)
-    if out:
-        with open(out, "a") as f:
-            f.write(text + "\n")
-
-
 def machine() -> str:
     try:
         gpus = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
@@ -183,20 +141,21 @@ def main() -> int:
     signal.signal(signal.SIGTERM, raise_on_sigterm)
     raise_open_files_limit()  # a socket per request in flight
     args = resolve(build_parser().parse_args())
-    command = "python " + shlex.join(sys.argv)
-    dp = ManagedServer(["--dp-size", "2", *replica_flags(args)], args.startup_timeout)
+    report = Reporter(args.out)
+    dp = ServerProcess("--dp-size", "2", *replica_flags(args), startup_timeout=args.startup_timeout, own_group=True)
     rr = None
     try:
         info = httpx.get(dp.base_url + "/get_server_info", timeout=30, trust_env=False).json()
         replicas = [w["url"] for w in info["workers"]]
         vocab = httpx.get(dp.base_url + "/get_model_info", timeout=30, trust_env=False).json()["vocab_size"]
         prompts = workload(args, vocab)
-        rr = RouterProcess(replicas, "round_robin", args.request_timeout)
+        rr = RouterProcess("--policy", "round_robin", "--request-timeout", str(args.request_timeout),
+                           "--worker-urls", *replicas, own_group=True)
         common = {"bench": "router_shared_prefix", "machine": machine(), "groups": args.groups,
                   "per_group": args.per_group, "prefix_len": args.prefix_len, "unique_len": args.unique_len,
                   "output_len": args.output_len, "replica_args": shlex.join(replica_flags(args)),
                   "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                  "command": command}
+                  "command": command_line()}
         warm = [p[:64] for p in prompts[:4]]  # first forwards of each shape, on both replicas
         asyncio.run(run(dp.base_url, warm, 2, {}, args.request_timeout))
         asyncio.run(run(rr.base_url, warm, 2, {}, args.request_timeout))
@@ -207,12 +166,12 @@ def main() -> int:
             # server's process group during the run (the round-robin router's own share included)
             results[system], noise = measure_noise(
                 lambda: asyncio.run(run(url, prompts, args.output_len, {}, args.request_timeout)), dp.proc.pid)
-            emit({**common, "system": system, **results[system], **noise}, args.out)
+            report.emit({**common, "system": system, **results[system], **noise})
         a, b, c = (results[s]["output_tok_s"] for s in ("one_replica", "dp2_cache_aware", "dp2_round_robin"))
-        emit({**common, "system": "ratios", "cache_aware_vs_one_replica": round(b / a, 3),
-              "cache_aware_vs_round_robin": round(b / c, 3),
-              "goals": {"cache_aware_vs_one_replica": ">= 1.9 (two GPUs)",
-                        "cache_aware_vs_round_robin": ">= 1.3 (two GPUs)"}}, args.out)
+        report.emit({**common, "system": "ratios", "cache_aware_vs_one_replica": ratio(b, a),
+                     "cache_aware_vs_round_robin": ratio(b, c),
+                     "goals": {"cache_aware_vs_one_replica": ">= 1.9 (two GPUs)",
+                               "cache_aware_vs_round_robin": ">= 1.3 (two GPUs)"}})
         return 0
     finally:
         if rr is not None:

@@ -10,8 +10,8 @@ lengths are fixed (`ignore_eos`, greedy). The baseline runs after ours, never be
 The cache is flushed before every timed run. Servers this script starts are stopped (SIGTERM,
 then SIGKILL of their process group) on exit, errors and Ctrl-C.
 
-    python benchmarks/bench_serving.py --preset cpu-random16 --out benchmarks/results/cpu_serving.jsonl
-    python benchmarks/bench_serving.py --dataset multi-turn --max-concurrency 4 --baseline no-radix
+    python -m benchmarks.bench_serving --preset cpu-random16 --out benchmarks/results/cpu_serving.jsonl
+    python -m benchmarks.bench_serving --dataset multi-turn --max-concurrency 4 --baseline no-radix
 """
 
 from __future__ import annotations
@@ -35,8 +35,10 @@ from urllib.parse import urlparse
 
 import httpx
 
-import serving_datasets as ds
-from serving_server import ManagedServer, emit, measure_noise, raise_on_sigterm, wait_until_quiet
+from . import hf_baseline
+from . import serving_datasets as ds
+from .cpu_noise import measure_noise, wait_until_quiet
+from .harness import Reporter, ServerProcess, command_line, raise_on_sigterm
 
 logger = logging.getLogger("bench.serving")
 
@@ -247,7 +249,7 @@ def repeat_runs(system: str, workload: ds.Workload, args: argparse.Namespace, pg
         line = {"bench": "serving", "system": system, "dataset": workload.name, "run": len(lines), **stats,
                 **noise, "others_cpu_share_before": quiet, "noisy": noisy}
         lines.append(line)
-        emit(line, args)
+        Reporter(args.out).emit(line)
         if noisy and retries > 0:
             retries -= 1
         else:
@@ -275,8 +277,6 @@ def bench_server(system: str, base_url: str, pgid: int | None, workload: ds.Work
 
 
 def bench_hf(workload: ds.Workload, args: argparse.Namespace, tokenizer, pad_token: int) -> list[dict[str, Any]]:
-    import hf_baseline
-
     model = hf_baseline.load_hf_model(args.model_path)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     hf_baseline.warm_up(model, pad_id, pad_token)
@@ -289,7 +289,7 @@ def _prefer_clean(lines: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def with_server(server_args: list[str], args: argparse.Namespace, fn):
-    server = ManagedServer(server_args, args.startup_timeout)
+    server = ServerProcess(*server_args, startup_timeout=args.startup_timeout, own_group=True)
     try:
         return fn(server.base_url, server.proc.pid)
     finally:
@@ -363,7 +363,7 @@ def main(argv: list[str]) -> int:
     server_args = shlex.split(args.server_args) + (["--model-path", args.model_path] if args.model_path else [])
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        header = {"bench": "serving", "command": shlex.join([sys.executable, *sys.argv]),
+        header = {"bench": "serving", "command": command_line(),
                   "time": datetime.datetime.now().isoformat(timespec="seconds"), "dataset_params": workload.params,
                   "request_rate": str(args.request_rate), "max_concurrency": args.max_concurrency,
                   "server_args": args.server_args}
@@ -393,7 +393,7 @@ def main(argv: list[str]) -> int:
     summary["noisy"] = summary["others_cpu_share_max"] > NOISY_SHARE
     if args.goal:
         summary.update(goal=args.goal, meets_goal=summary["ratio"] is not None and summary["ratio"] >= args.goal)
-    emit(summary, args)
+    Reporter(args.out).emit(summary)
     return 0
 
 

@@ -11,27 +11,24 @@ with nothing protected and nothing running).
 This is a robustness run, not a speed comparison: it has no baseline; its goals are 0
 unexpected errors, 0 leaked slots and RSS growth < 5%.
 
-    python benchmarks/bench_soak.py --duration 600                 # starts a server
-    python benchmarks/bench_soak.py --url http://127.0.0.1:30000   # an already running one
+    python -m benchmarks.bench_soak --duration 600                 # starts a server
+    python -m benchmarks.bench_soak --url http://127.0.0.1:30000   # an already running one
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import random
 import re
-import socket
-import subprocess
-import sys
-import tempfile
 import time
 from collections import Counter
 from typing import Any
 
 import httpx
+
+from .harness import Reporter, ServerProcess, command_line
 
 KINDS = ("plain", "constrained", "chat", "stream_drop", "abort", "bad")
 _BAD_BODIES = [  # each is a 400 (or 413) naming the problem
@@ -46,12 +43,6 @@ _BAD_BODIES = [  # each is a 400 (or 413) naming the problem
     {"input_ids": [10**9]},
     {"text": "hi", "sampling_params": {"logit_bias": {"999999999": 1}}},
 ]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def rss_kib(pid: int) -> int:
@@ -181,26 +172,12 @@ def main() -> None:
     parser.add_argument("--record", help="append the JSON line to this file too")
     args = parser.parse_args()
 
-    proc = None
-    url = args.url
-    log = tempfile.NamedTemporaryFile("w", prefix="radixlm-soak-", suffix=".log", delete=False)
-    if url is None:
-        port = _free_port()
-        url = f"http://127.0.0.1:{port}"
-        proc = subprocess.Popen([sys.executable, "-m", "radixlm.srt.launch", "--port", str(port),
-                                 "--max-total-tokens", "16384"], stdout=log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 600
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
+    server = ServerProcess("--max-total-tokens", "16384", startup_timeout=600) if args.url is None else None
+    url = args.url or server.base_url
     try:
         soak = Soak(url, args.concurrency, args.seed)
         asyncio.run(soak.run(min(30.0, args.duration / 10)))  # warm-up: allocator and caches grow first
-        pids = server_pids(proc.pid, log.name) if proc else {}
+        pids = server_pids(server.proc.pid, server.log_path) if server else {}
         rss_before = {name: rss_kib(pid) for name, pid in pids.items()}
         soak = Soak(url, args.concurrency, args.seed + 1)
         started = time.monotonic()
@@ -216,19 +193,12 @@ def main() -> None:
             "latency_p50_s": _percentile(soak.latencies, 0.5), "latency_p99_s": _percentile(soak.latencies, 0.99),
             "rss_kib_before": rss_before, "rss_kib_after": rss_after, "rss_growth_pct": growth,
             "kv_leaked": info["kv"]["leaked"], "kv_protected_after": info["kv"]["protected"],
-            "command": "python " + " ".join(sys.argv),
+            "command": command_line(),
         }
     finally:
-        if proc is not None:
-            proc.terminate()
-            proc.wait(60)
-        log.close()
-        os.remove(log.name)
-    text = json.dumps(line)
-    print(text)
-    if args.record:
-        with open(args.record, "a") as f:
-            f.write(text + "\n")
+        if server is not None:
+            server.stop(timeout=60)
+    Reporter(args.record).emit(line)
 
 
 if __name__ == "__main__":

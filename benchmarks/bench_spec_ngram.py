@@ -1,71 +1,29 @@
 """N-gram speculative decoding against plain decoding, on the default model in-process (CPU).
 
-Three workloads, one request at a time (speculation is for latency), greedy, same prompts and
-output lengths for both engines, runs alternating and the median kept:
-  extraction  a document in, its fields out (the output quotes the input)
-  code_edit   a function in, the edited function out (mostly copied)
-  chat        ordinary questions (little to copy: speculation must not cost)
-Each line reports the mean accepted length (tokens per verify step) and the speedup over plain
-decoding measured in the same run, and checks that the outputs are identical.
+Three workloads (spec_workloads.py: extraction, code_edit, chat), one request at a time
+(speculation is for latency), greedy, same prompts and output lengths for both engines, runs
+alternating and the median kept. Each line reports the mean accepted length (tokens per verify
+step) and the speedup over plain decoding measured in the same run, and checks that the
+outputs are identical.
 
-    python benchmarks/bench_spec_ngram.py [--runs 3] [--out benchmarks/results/cpu_spec_ngram.jsonl]
+    python -m benchmarks.bench_spec_ngram [--runs 3] [--out benchmarks/results/cpu_spec_ngram.jsonl]
 
 --drafting instead times the host side alone: the n-gram search for a batch of requests, every
 step (a step with drafts waits for it), against the Python scan over the token list that the
 engine used before (kept here as the baseline), on Zipf-distributed token streams of a few
 context lengths; both must propose the same drafts.
 
-    python benchmarks/bench_spec_ngram.py --drafting [--out benchmarks/results/cpu_spec_ngram.jsonl]
+    python -m benchmarks.bench_spec_ngram --drafting [--out benchmarks/results/cpu_spec_ngram.jsonl]
 """
 
 from __future__ import annotations
 
 import argparse
-import shlex
 import statistics
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from serving_server import emit  # noqa: E402
-
-DOCS = [
-    "Invoice 4471. Customer: Maria Lopez, 12 Harbor Street, Lisbon. Items: 3 blue chairs at 45 euros, "
-    "1 oak table at 300 euros. Total: 435 euros. Due date: 14 March 2026.",
-    "Order 9182 from Jonas Berg, Storgatan 7, Uppsala. Delivered by Nordic Freight on 2 May 2026. "
-    "Contents: 12 glass jars, 4 steel lids. Amount paid: 128 kronor by card.",
-    "Booking 551 for Aiko Tanaka at the Sakura Hotel, Kyoto, from 3 June 2026 to 7 June 2026, "
-    "room 204, breakfast included, total 86000 yen, paid in advance.",
-]
-CODE = [
-    "def total_price(items):\n    total = 0\n    for item in items:\n        total = total + item.price * item.count\n"
-    "    return total\n",
-    "def find_user(users, name):\n    for user in users:\n        if user.name == name:\n            return user\n"
-    "    return None\n",
-]
-CHAT = ["What is a good name for a pet turtle?", "Give me three tips for sleeping better.",
-        "Why is the sky blue?"]
-
-
-def chat_prompt(text: str) -> str:
-    return f"<|im_start|>user\n{text}<|im_end|>\n<|im_start|>assistant\n"
-
-
-WORKLOADS = {
-    "extraction": [chat_prompt(f"Document: {d}\nList every field of the document as 'field: value' lines, "
-                               "copying the values exactly.") for d in DOCS],
-    "code_edit": [chat_prompt(f"Rename the function to snake_case with a _v2 suffix and output the whole "
-                              f"function:\n{c}") for c in CODE],
-    "chat": [chat_prompt(q) for q in CHAT],
-}
-
-
-def run(engine, prompts: list[str], max_new: int) -> tuple[float, list[list[int]]]:
-    start = time.perf_counter()
-    outs = [engine.generate(p, {"temperature": 0, "max_new_tokens": max_new}) for p in prompts]
-    return time.perf_counter() - start, [o["output_ids"] for o in outs]
+from .harness import Reporter, command_line
+from .spec_workloads import WORKLOADS, run
 
 
 def python_scan_baseline(tokens: list[int], num_drafts: int, max_match: int = 4, min_match: int = 1,
@@ -87,7 +45,7 @@ def python_scan_baseline(tokens: list[int], num_drafts: int, max_match: int = 4,
     return []
 
 
-def bench_drafting(args) -> None:
+def bench_drafting(args, report: Reporter) -> None:
     import numpy as np
 
     from radixlm.srt.scheduler.ngram import TokenHistory, propose_ngram
@@ -118,16 +76,15 @@ def bench_drafting(args) -> None:
                 elapsed += time.perf_counter() - start
             timings[name] = elapsed / (steps * batch) * 1e6
             drafts[name] = proposed
-        emit({"bench": "spec_ngram_drafting", "context_tokens": context, "batch": batch, "steps": steps,
-              "draft_tokens": args.draft_tokens, "ours_us_per_request_step": round(timings["ours"], 1),
-              "baseline": "the Python scan over the token list used before, measured in this run",
-              "baseline_us_per_request_step": round(timings["baseline"], 1),
-              "speedup": round(timings["baseline"] / timings["ours"], 1),
-              "ours_ms_per_step_at_batch": round(timings["ours"] * batch / 1e3, 3),
-              "baseline_ms_per_step_at_batch": round(timings["baseline"] * batch / 1e3, 3),
-              "same_drafts": drafts["ours"] == drafts["baseline"],
-              "with_drafts": sum(bool(d) for d in drafts["ours"]) / len(drafts["ours"]),
-              "command": shlex.join(["python", *sys.argv])}, args)
+        report.emit({"bench": "spec_ngram_drafting", "context_tokens": context, "batch": batch, "steps": steps,
+                     "draft_tokens": args.draft_tokens, "ours_us_per_request_step": round(timings["ours"], 1),
+                     "baseline": "the Python scan over the token list used before, measured in this run",
+                     "baseline_us_per_request_step": round(timings["baseline"], 1),
+                     "speedup": round(timings["baseline"] / timings["ours"], 1),
+                     "ours_ms_per_step_at_batch": round(timings["ours"] * batch / 1e3, 3),
+                     "baseline_ms_per_step_at_batch": round(timings["baseline"] * batch / 1e3, 3),
+                     "same_drafts": drafts["ours"] == drafts["baseline"],
+                     "with_drafts": sum(bool(d) for d in drafts["ours"]) / len(drafts["ours"])})
 
 
 def main() -> None:
@@ -139,8 +96,9 @@ def main() -> None:
     parser.add_argument("--drafting", action="store_true", help="time the host-side n-gram search alone")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
+    report = Reporter(args.out, command=command_line())
     if args.drafting:
-        bench_drafting(args)
+        bench_drafting(args, report)
         return
     from radixlm.srt import Engine
 
@@ -162,16 +120,16 @@ def main() -> None:
         steps, accepted = sched.spec_verify_steps - steps0, sched.spec_accepted_tokens - accepted0
         tokens = sum(len(ids) for ids in plain_ids)
         speedup = statistics.median(base) / statistics.median(ours)
-        emit({"bench": "spec_ngram", "workload": name, "requests": len(prompts), "batch": 1,
-              "output_tokens": tokens, "draft_tokens": args.draft_tokens,
-              "mean_accepted_length": round(1 + accepted / steps, 3) if steps else None,
-              "verify_steps_per_run": steps // args.runs,
-              "same_outputs": spec_ids == plain_ids, "ours_s": round(statistics.median(ours), 3),
-              "baseline": "same engine settings, no speculation", "baseline_s": round(statistics.median(base), 3),
-              "all_ours": [round(s, 3) for s in ours], "all_baseline": [round(s, 3) for s in base],
-              "speedup": round(speedup, 3),
-              "goal": {"extraction": ">= 1.5", "chat": ">= 0.95"}.get(name, "report"),
-              "command": shlex.join(["python", *sys.argv])}, args)
+        report.emit({"bench": "spec_ngram", "workload": name, "requests": len(prompts), "batch": 1,
+                     "output_tokens": tokens, "draft_tokens": args.draft_tokens,
+                     "mean_accepted_length": round(1 + accepted / steps, 3) if steps else None,
+                     "verify_steps_per_run": steps // args.runs,
+                     "same_outputs": spec_ids == plain_ids, "ours_s": round(statistics.median(ours), 3),
+                     "baseline": "same engine settings, no speculation",
+                     "baseline_s": round(statistics.median(base), 3),
+                     "all_ours": [round(s, 3) for s in ours], "all_baseline": [round(s, 3) for s in base],
+                     "speedup": round(speedup, 3),
+                     "goal": {"extraction": ">= 1.5", "chat": ">= 0.95"}.get(name, "report")})
 
 
 if __name__ == "__main__":

@@ -5,22 +5,16 @@ client. Runs alternate and the median is kept; the goal is at most 10% slower. J
 (on by default) appends the text the schema forces without a decode step each;
 `--disable-jump-forward` measures the grammar masks' cost alone.
 
-    python benchmarks/bench_tool_calls.py [--batch 8] [--runs 3] [--out benchmarks/results/cpu_tool_calls.jsonl]
+    python -m benchmarks.bench_tool_calls [--batch 8] [--runs 3] [--out benchmarks/results/cpu_tool_calls.jsonl]
 """
 
 from __future__ import annotations
 
 import argparse
-import shlex
 import statistics
-import sys
-import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from serving_server import ManagedServer, emit  # noqa: E402
+from .harness import Reporter, ServerProcess, command_line, timed
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Current weather in a city",
                                            "parameters": {"type": "object", "properties": {
@@ -43,10 +37,13 @@ def chat(client, model: str, city: str, **extra):
 
 
 def timed_batch(client, model: str, cities: list[str], per_request) -> tuple[float, list]:
-    start = time.perf_counter()
-    with ThreadPoolExecutor(len(cities)) as pool:
-        results = list(pool.map(lambda c: per_request(client, model, c), cities))
-    return time.perf_counter() - start, results
+    """(seconds, responses) for one request per city, all at once."""
+    def batch() -> list:
+        with ThreadPoolExecutor(len(cities)) as pool:
+            return list(pool.map(lambda c: per_request(client, model, c), cities))
+
+    results, seconds = timed(batch)
+    return seconds, results
 
 
 def main() -> None:
@@ -62,7 +59,7 @@ def main() -> None:
 
     cities = CITIES[:args.batch]
     flags = ["--max-total-tokens", "32768"] + (["--disable-jump-forward"] if args.disable_jump_forward else [])
-    server = ManagedServer(flags, startup_timeout=600)
+    server = ServerProcess(*flags, startup_timeout=600, own_group=True)
     try:
         client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", timeout=600, max_retries=0)
         model = client.models.list().data[0].id
@@ -83,14 +80,14 @@ def main() -> None:
             base.append(seconds)
             assert [r.usage.completion_tokens for r in results] == [lengths[c] for c in cities]
         ratio = statistics.median(ours) / statistics.median(base)
-        emit({"bench": "tool_calls", "system": "chat tool_choice=required (constrained)",
-              "baseline": "same chats, tool_choice=none, same output token counts", "batch": args.batch,
-              "jump_forward": not args.disable_jump_forward,
-              "output_tokens": sum(lengths.values()), "calls_with_tool_calls": f"{valid}/{len(cities)}",
-              "ours_s": round(statistics.median(ours), 3), "baseline_s": round(statistics.median(base), 3),
-              "all_ours": [round(s, 3) for s in ours], "all_baseline": [round(s, 3) for s in base],
-              "slowdown": round(ratio, 3), "goal": "<= 1.10", "meets_goal": ratio <= 1.10,
-              "command": shlex.join([sys.executable.rsplit("/", 1)[-1], *sys.argv])}, args)
+        report = Reporter(args.out, command=command_line())
+        report.emit({"bench": "tool_calls", "system": "chat tool_choice=required (constrained)",
+                     "baseline": "same chats, tool_choice=none, same output token counts", "batch": args.batch,
+                     "jump_forward": not args.disable_jump_forward,
+                     "output_tokens": sum(lengths.values()), "calls_with_tool_calls": f"{valid}/{len(cities)}",
+                     "ours_s": round(statistics.median(ours), 3), "baseline_s": round(statistics.median(base), 3),
+                     "all_ours": [round(s, 3) for s in ours], "all_baseline": [round(s, 3) for s in base],
+                     "slowdown": round(ratio, 3), "goal": "<= 1.10", "meets_goal": ratio <= 1.10})
     finally:
         server.stop()
 

@@ -1,20 +1,25 @@
 """The HF transformers baseline: batched greedy `generate` on the same token-id prompts.
 
-Same weights as the server (the converted HF directory of the model loader), fp32, left
-padding with an attention mask, `min_new_tokens = max_new_tokens` so every row produces
-exactly its output length. Requests are batched `batch_size` at a time (all at once by
-default); a batch generates the longest output length in it, but only the requested tokens
-count as output, so mixed output lengths are sorted into batches of equal lengths first.
-Multi-turn workloads run turn by turn, each turn's prompts built from HF's own answers.
+For the serving benchmark (`run_hf`, CPU): same weights as the server (the converted HF
+directory of the model loader), fp32, left padding with an attention mask, `min_new_tokens =
+max_new_tokens` so every row produces exactly its output length. Requests are batched
+`batch_size` at a time (all at once by default); a batch generates the longest output length
+in it, but only the requested tokens count as output, so mixed output lengths are sorted into
+batches of equal lengths first. Multi-turn workloads run turn by turn, each turn's prompts
+built from HF's own answers.
+
+For the GPU benchmarks (`hf_generate_seconds`): bf16, random weights from a config, one
+left-padded batch run to its longest output.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from pathlib import Path
 from typing import Any
 
-from serving_datasets import Workload
+from .serving_datasets import Workload
 
 logger = logging.getLogger("bench.hf_baseline")
 
@@ -91,3 +96,31 @@ def run_hf(model, workload: Workload, batch_size: int | None, pad_id: int,
         "hf_batch_size": batch_size or "all", "hf_num_batches": num_batches,
         "hf_batch_s_max": round(max(batch_seconds), 3),
     }
+
+
+def hf_generate_seconds(config_dir: Path, prompts: list[list[int]], out_lens: list[int], attn: str = "sdpa") -> float:
+    """Seconds HF `generate` (bf16, random weights, on the GPU) takes for `prompts` in one
+    left-padded batch, run to the longest output (warmed up first; the model is freed after)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.from_pretrained(str(config_dir))
+    with torch.device("cuda"):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16, attn_implementation=attn).eval()
+    num, width, new = len(prompts), max(len(p) for p in prompts), max(out_lens)
+    ids = torch.zeros((num, width), dtype=torch.long, device="cuda")
+    mask = torch.zeros_like(ids)
+    for row, p in enumerate(prompts):
+        ids[row, width - len(p):] = torch.tensor(p)
+        mask[row, width - len(p):] = 1
+    with torch.inference_mode():
+        model.generate(input_ids=ids[:2, -16:], attention_mask=mask[:2, -16:], max_new_tokens=4, do_sample=False)
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False,
+                       pad_token_id=0)
+        torch.cuda.synchronize()
+        seconds = time.perf_counter() - start
+    del model
+    torch.cuda.empty_cache()
+    return seconds
