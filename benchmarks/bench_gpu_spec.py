@@ -41,10 +41,10 @@ def verify_cost(engine, rep: Reporter, batch_sizes: list[int], draft_counts: lis
 
     import torch
 
+    from radixlm.srt.core.request import Req
+    from radixlm.srt.core.step import ExtendPlan
     from radixlm.srt.executor.batch_builder import build_decode_batch, build_extend_batch, build_verify_batch
     from radixlm.srt.sampling_params import SamplingParams
-    from radixlm.srt.scheduler.request import Req
-    from radixlm.srt.scheduler.step_plan import ExtendPlan
 
     sched = engine.scheduler
     runner, device = sched.engine.runner, sched.engine.device

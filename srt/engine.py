@@ -9,11 +9,10 @@ from typing import Any
 
 import torch
 
+from .core.request import Req
 from .intake import Intake
 from .io_struct import TokenizedGenerateReq
 from .results import LogprobRecord, Progress, final_text, result
-from .scheduler.request import Req
-from .scheduler.scheduler import Scheduler
 from .server_args import ServerArgs
 from .tp_launch import LocalRanks
 
@@ -24,8 +23,7 @@ class Engine:
     """`Engine(model_path=None, **server_args)`; `model_path=None` is the embedded default model."""
 
     def __init__(self, model_path: str | None = None, **server_args: Any):
-        from .executor.model_loader import load_model
-
+        from .bootstrap import bootstrap_rank, build_scheduler, step_sender
         from .executor import parallel
 
         self.server_args = ServerArgs.from_kwargs(model_path=model_path, **server_args)
@@ -34,19 +32,14 @@ class Engine:
         self._ranks = LocalRanks(args) if args.tp_size > 1 else None
         self._threads = torch.get_num_threads()  # a CPU rank takes its share of the cores; given back after
         try:
-            device = parallel.prepare_rank(args, 0)
-            loaded = load_model(args.model_path, dtype=args.resolved_dtype(), load_format=args.load_format,
-                                tokenizer_path=args.tokenizer_path, device=device,
-                                tensor_parallel=(0, args.tp_size))
-            tp = parallel.init_tensor_parallel(args, 0, 0, self._ranks.addr) if self._ranks else parallel.current()
-            self.tokenizer = loaded.tokenizer
-            self.model_config = loaded.config
-            self.scheduler = Scheduler(loaded, args)
+            rank = bootstrap_rank(args, 0, 0, self._ranks.addr if self._ranks else None)
+            self.tokenizer = rank.loaded.tokenizer
+            self.model_config = rank.loaded.config
+            self.scheduler = build_scheduler(rank, args)
             self.server_args = self.scheduler.args  # with the device's defaults filled in
-            tp.barrier("ready")
             if self._ranks:
                 self._ranks.wait_ready()
-                self.scheduler.engine.runner.step_sender.start(self.scheduler.req_table.dirty_from)
+                step_sender(self.scheduler).start(self.scheduler.req_table.dirty_from)
         except BaseException:
             if self._ranks:
                 self._ranks.stop(grace_s=0)
@@ -89,8 +82,8 @@ class Engine:
 
     def _output(self, msg: TokenizedGenerateReq, req: Req, latency: float, with_text: bool) -> dict[str, Any]:
         finish = req.finish_reason.to_dict()
-        logprobs = LogprobRecord(req.input_token_logprobs, req.input_top_logprobs, req.output_token_logprobs,
-                                 req.output_top_logprobs)
+        lps = req.logprobs
+        logprobs = LogprobRecord(lps.input_token, lps.input_top, lps.output_token, lps.output_top)
         progress = Progress(text=final_text(self.tokenizer, req.output_ids, req.sampling_params, finish),
                             output_ids=req.output_ids, cached_tokens=req.cached_tokens, finish_reason=finish,
                             e2e_latency=latency, logprobs=logprobs, spec_verify_ct=req.spec_verify_ct)
@@ -101,9 +94,10 @@ class Engine:
 
     def shutdown(self) -> None:
         if self._ranks is not None:
+            from .bootstrap import step_sender
             from .executor import parallel
 
-            self.scheduler.engine.runner.step_sender.stop()
+            step_sender(self.scheduler).stop()
             parallel.shutdown()  # the other ranks tear down with it, then exit
             self._ranks.stop()
             self._ranks = None

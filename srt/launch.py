@@ -7,25 +7,20 @@ import argparse
 import asyncio
 import dataclasses
 import logging
-import multiprocessing as mp
 import os
-import shutil
 import sys
-import tempfile
 import time
 from typing import Any
 
 import zmq
 
-from . import io_struct
+from .children import ChildProcesses, wait_ready
 from .process_utils import bind_port, show_progress_bars_in_log, stage
 from .server_args import ServerArgs
 
 logger = logging.getLogger("radixlm.launch")
 
-READY_TIMEOUT_S = 900.0
 API_KEY_ENV = "RADIXLM_API_KEY"
-_CHILD_STOP_TIMEOUT_S = 10.0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -57,54 +52,6 @@ def parse_args(argv: list[str]) -> tuple[ServerArgs, argparse.Namespace]:
     except ValueError as e:
         build_parser().error(str(e))
     return args, ns
-
-
-class _Children:
-    """The scheduler and detokenizer processes and their private ipc directory."""
-
-    def __init__(self) -> None:
-        self.ipc_dir = tempfile.mkdtemp(prefix="radixlm-ipc-")  # mode 0700: private sockets
-        self.procs: dict[str, mp.Process] = {}
-
-    def addr(self, name: str) -> str:
-        return f"ipc://{os.path.join(self.ipc_dir, name)}"
-
-    def start(self, name: str, target: Any, *args: Any) -> None:
-        proc = mp.get_context("spawn").Process(target=target, args=args, name=f"radixlm-{name}", daemon=False)
-        proc.start()
-        self.procs[name] = proc
-
-    def dead(self) -> list[str]:
-        return [f"{n} exited with code {p.exitcode}" for n, p in self.procs.items() if not p.is_alive()]
-
-    def stop(self) -> None:
-        for proc in self.procs.values():
-            if proc.is_alive():
-                proc.terminate()
-        deadline = time.monotonic() + _CHILD_STOP_TIMEOUT_S
-        for proc in self.procs.values():
-            proc.join(max(0.0, deadline - time.monotonic()))
-            if proc.is_alive():
-                proc.kill()
-                proc.join()
-        shutil.rmtree(self.ipc_dir, ignore_errors=True)
-
-
-def _wait_ready(ready: zmq.Socket, children: _Children, names: set[str]) -> dict[str, Any]:
-    info: dict[str, Any] = {}
-    deadline = time.monotonic() + READY_TIMEOUT_S
-    while names:
-        if ready.poll(500):
-            signal_msg = io_struct.decode(ready.recv())
-            if not signal_msg.ok:
-                raise RuntimeError(f"{signal_msg.process} failed to start: {signal_msg.error}")
-            names.discard(signal_msg.process)
-            info.update(signal_msg.info)
-        elif children.dead():
-            raise RuntimeError("; ".join(children.dead()))
-        elif time.monotonic() > deadline:
-            raise RuntimeError(f"{', '.join(sorted(names))} not ready after {READY_TIMEOUT_S:.0f}s")
-    return info
 
 
 def _local_tokenizer_dir(args: ServerArgs) -> str | None:
@@ -147,7 +94,7 @@ def _launch(args: ServerArgs, sock: Any, served_model_name: str | None, log_leve
     # Only what starting the children needs is imported before they start: torch and the HTTP
     # stack take seconds to import, and the children need not wait for them.
     from .detokenizer.process import run_detokenizer_process
-    from .scheduler.process import run_scheduler_process
+    from .entrypoints.scheduler import run_scheduler_process
 
     def read_meta():
         from .executor.model_loader import load_model
@@ -178,7 +125,7 @@ def _launch(args: ServerArgs, sock: Any, served_model_name: str | None, log_leve
           + ("" if tokenizer_dir else " (a GGUF is converted once, on its first use)"))
     started = time.perf_counter()
     meta = None if tokenizer_dir else read_meta()
-    children = _Children()
+    children = ChildProcesses()
     logger.info("ipc directory: %s", children.ipc_dir)
     ctx = zmq.Context()
     ready = ctx.socket(zmq.PULL)
@@ -199,7 +146,7 @@ def _launch(args: ServerArgs, sock: Any, served_model_name: str | None, log_leve
                        children.addr("scheduler"), children.addr("detokenizer"), children.addr("ready"), addr)
         logger.info("children: %s", ", ".join(f"{n} pid {p.pid}" for n, p in children.procs.items()))
         meta = meta or read_meta()
-        info = _wait_ready(ready, children, starting)
+        info = wait_ready(ready, children, starting)
     except BaseException as e:
         children.stop()
         ready.close()

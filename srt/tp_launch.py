@@ -15,6 +15,7 @@ import socket
 import time
 from typing import Any
 
+from .children import ChildProcesses, wait_ready
 from .server_args import ServerArgs
 
 logger = logging.getLogger("radixlm.launch")
@@ -31,7 +32,7 @@ def dist_addr(args: ServerArgs) -> str:
 def start_node_ranks(children: Any, args: ServerArgs, addr: str, skip_rank0: bool) -> set[str]:
     """Starts this node's ranks (rank 0 excepted on node 0: it is the scheduler process);
     returns the names their ready signals carry."""
-    from .executor.tp_follower import follower_name, run_tp_follower_process
+    from .entrypoints.tp_follower import follower_name, run_tp_follower_process
 
     per_node = args.tp_size // args.nnodes
     names = set()
@@ -52,13 +53,12 @@ class LocalRanks:
         import zmq
 
         from .executor import parallel
-        from .launch import _Children
 
         if args.nnodes > 1:
             raise ValueError("nnodes: an Engine runs on one node; serve several with `radixlm serve --nnodes`")
         parallel.check_devices(args)
         self.addr = dist_addr(args)
-        self.children = _Children()
+        self.children = ChildProcesses()
         self._ctx = zmq.Context()
         self._ready = self._ctx.socket(zmq.PULL)
         self._ready.setsockopt(zmq.LINGER, 0)
@@ -66,9 +66,7 @@ class LocalRanks:
         self._names = start_node_ranks(self.children, args, self.addr, skip_rank0=True)
 
     def wait_ready(self) -> None:
-        from .launch import _wait_ready
-
-        _wait_ready(self._ready, self.children, set(self._names))
+        wait_ready(self._ready, self.children, set(self._names))
 
     def stop(self, grace_s: float = 10.0) -> None:
         """Waits for the ranks to exit (rank 0 told them to), then stops any left."""
@@ -85,7 +83,6 @@ def serve_follower_node(args: ServerArgs) -> int:
     import zmq
 
     from .executor import parallel
-    from .launch import _Children, _wait_ready
     from .process_utils import stage
 
     try:
@@ -93,7 +90,7 @@ def serve_follower_node(args: ServerArgs) -> int:
     except ValueError as e:
         logger.error("%s", e)
         return 1
-    children = _Children()
+    children = ChildProcesses()
     ctx = zmq.Context()
     ready = ctx.socket(zmq.PULL)
     ready.setsockopt(zmq.LINGER, 0)
@@ -103,7 +100,7 @@ def serve_follower_node(args: ServerArgs) -> int:
     try:
         stage(f"node {args.node_rank} of {args.nnodes}: starting its tensor-parallel ranks; they meet at "
               f"{args.dist_init_addr}")
-        _wait_ready(ready, children, start_node_ranks(children, args, args.dist_init_addr, skip_rank0=False))
+        wait_ready(ready, children, start_node_ranks(children, args, args.dist_init_addr, skip_rank0=False))
         stage(f"node {args.node_rank}: ranks ready; serving node 0's requests")
         while not stopping:
             if children.dead():

@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 
 from radixlm.srt.executor.batch_builder import build_extend_batch
-from radixlm.srt.scheduler.step_plan import ExtendPlan
-from radixlm.srt.scheduler.request import Req
+from radixlm.srt.core.step import ExtendPlan
+from radixlm.srt.core.request import Req
 from radixlm.srt.sampling_params import SamplingParams
 
 

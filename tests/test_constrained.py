@@ -156,7 +156,7 @@ def test_compile_timeout_fails_only_that_request(engine, monkeypatch):
 def test_retraction_keeps_the_grammar_state(engine):
     """A request retracted mid-output (its KV freed) resumes by prefilling its output so far;
     its matcher must still agree with that output, so the result stays valid."""
-    from radixlm.srt.scheduler.request import Req
+    from radixlm.srt.core.request import Req
     from radixlm.srt.sampling_params import SamplingParams
 
     sched = engine.scheduler
@@ -167,8 +167,8 @@ def test_retraction_keeps_the_grammar_state(engine):
     sched.add_request(req)
     while len(req.output_ids) < 10:
         sched.step()
-    sched.planner.retract(req)
-    assert req.kv_len == 0 and req in sched.waiting
+    sched.decode.retract(req)
+    assert req.kv_len == 0 and req in sched.prefill.waiting
     while not req.finished:
         sched.step()
     text = engine.tokenizer.decode(req.output_ids, skip_special_tokens=True)

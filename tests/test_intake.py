@@ -15,7 +15,7 @@ from radixlm.srt.intake import MAX_TOP_LOGPROBS, Intake
 from radixlm.srt.server.metrics import Metrics
 from radixlm.srt.io_struct import TokenizedGenerateReq
 from radixlm.srt.sampling_params import SamplingParams
-from radixlm.srt.scheduler.request import Req
+from radixlm.srt.core.request import Req
 
 FRUIT = "Pick a random fruit:"
 SEEDED = {"temperature": 1.0, "seed": 7, "max_new_tokens": 8, "ignore_eos": True}

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from radixlm.srt.scheduler.request import Req
+from radixlm.srt.core.request import Req
 from radixlm.srt.sampling_params import SamplingParams
 
 
@@ -108,7 +108,7 @@ def test_retraction_under_memory_pressure_keeps_outputs(engine, caplog):
 
     from radixlm.srt import Engine
 
-    caplog.set_level(logging.INFO, logger="radixlm.srt.scheduler.batch_planner")
+    caplog.set_level(logging.INFO, logger="radixlm.srt.scheduler.decode")
     small = Engine(max_total_tokens=300, max_running_requests=8)
     try:
         prompts = [f"Write a long story about the number {i}." for i in range(6)]
@@ -129,7 +129,7 @@ def test_decode_batch_takes_device_tokens_only_for_pending_ones():
     import torch
 
     from radixlm.srt.executor.batch_builder import build_decode_batch
-    from radixlm.srt.scheduler.step_plan import ExtendPlan
+    from radixlm.srt.core.step import ExtendPlan
 
     in_flight = Req(rid="a", origin_input_ids=[1, 2, 3], sampling_params=SamplingParams())
     in_flight.req_pool_idx, in_flight.kv_len, in_flight.pending_tokens = 0, 3, 1

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from radixlm.srt.scheduler.request import Req
+from radixlm.srt.core.request import Req
 from radixlm.srt.sampling_params import SamplingParams
 
 

@@ -14,9 +14,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from radixlm.srt.scheduler.request import Req
+from radixlm.srt.core.request import Req
 from radixlm.srt.scheduler.scheduler import Scheduler
-from radixlm.srt.scheduler.step_plan import PendingStep, StepPlan, StepResult
+from radixlm.srt.core.step import PendingStep, StepPlan, StepResult
 from radixlm.srt.sampling_params import SamplingParams
 from radixlm.srt.server_args import ServerArgs
 
@@ -115,7 +115,7 @@ def assert_no_leak(sched: Scheduler) -> None:
 
 
 def test_the_policy_imports_no_torch():
-    code = ("import sys; import radixlm.srt.scheduler.scheduler, radixlm.srt.scheduler.process; "
+    code = ("import sys; import radixlm.srt.scheduler.scheduler, radixlm.srt.scheduler.loop; "
             "bad = sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')); "
             "assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True)
@@ -188,8 +188,8 @@ def test_retraction_frees_kv_and_the_output_is_unchanged():
     for req in reqs:
         sched.add_request(req)
     retracted = []
-    real_retract = sched.planner.retract
-    sched.planner.retract = lambda req: retracted.append(req.rid) or real_retract(req)
+    real_retract = sched.decode.retract
+    sched.decode.retract = lambda req: retracted.append(req.rid) or real_retract(req)
     run_to_end(sched)
     assert retracted, "the pool was too small for every request to decode to the end"
     resumed = [p for plan in sched.engine.plans if not plan.decode for p in plan.parts
@@ -210,7 +210,7 @@ def test_abort_frees_kv_wherever_the_request_is():
     sched.add_request(chunked)
     sched.add_request(waiting)
     sched.step()  # chunked: first chunk; waiting: no budget left
-    assert sched.chunked is chunked and waiting in sched.waiting
+    assert sched.prefill.chunked is chunked and waiting in sched.prefill.waiting
     for req in (waiting, chunked, running):
         assert sched.abort(req.rid) is req and req.finish_reason.type == "abort"
     assert sched.abort("unknown") is None

@@ -14,7 +14,7 @@ from radixlm.srt.executor.speculative import verify_drafts
 from radixlm.srt.sampling_params import SamplingParams
 from radixlm.srt.scheduler.draft_pacing import DraftPacing
 from radixlm.srt.scheduler.ngram import TokenHistory, propose_ngram
-from radixlm.srt.scheduler.request import Req
+from radixlm.srt.core.request import Req
 
 DOC = ("Invoice 4471. Customer: Maria Lopez, 12 Harbor Street, Lisbon. Items: 3 blue chairs at 45 euros, "
        "1 oak table at 300 euros. Total: 435 euros. Due date: 14 March 2026.")

@@ -17,7 +17,7 @@ from radixlm.srt.executor.draft_model import check_same_vocabulary
 from radixlm.srt.executor.model_loader import default_model_path
 from radixlm.srt.executor.speculative import verify_drafts
 from radixlm.srt.sampling_params import SamplingParams
-from radixlm.srt.scheduler.request import Req
+from radixlm.srt.core.request import Req
 from radixlm.srt.server_args import ServerArgs
 
 DOC = ("Invoice 4471. Customer: Maria Lopez, 12 Harbor Street, Lisbon. Items: 3 blue chairs at 45 euros, "

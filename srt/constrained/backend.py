@@ -51,3 +51,14 @@ class GrammarBackend(abc.ABC):
     @abc.abstractmethod
     def apply_bitmask(self, logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
         """Sets the logits of forbidden tokens to -inf, in place, for the listed rows."""
+
+
+def valid_draft_len(matcher: GrammarMatcher, drafts: list[int]) -> int:
+    """How many leading drafts the grammar admits from the matcher's state (through one that
+    completes it, none after); the matcher is left as it was. Speculation drafts no further."""
+    accepted = 0
+    while accepted < len(drafts) and not matcher.is_terminated() and matcher.accept_token(drafts[accepted]):
+        accepted += 1
+    if accepted:
+        matcher.rollback(accepted)
+    return accepted

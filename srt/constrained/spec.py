@@ -12,6 +12,9 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+# JSON output is one line with ", " and ": " separators: whitespace cannot run away until
+# max_tokens, and keys and punctuation become fixed text that jump-forward can skip.
+JSON_FORMAT = {"any_whitespace": False, "strict_mode": True}
 MAX_SCHEMA_DEPTH = 128  # nesting beyond this is refused before any recursive code sees it
 
 # Keywords xgrammar parses but does not enforce (each checked against a violating instance):
@@ -86,8 +89,6 @@ def check_syntax(spec: GrammarSpec, field: str) -> None:
     """Parses the spec with xgrammar (no tokenizer, no masks); raises ValueError with the
     parser's message."""
     import xgrammar
-
-    from .xgrammar_backend import JSON_FORMAT
 
     try:
         if spec.kind == "regex":

@@ -9,11 +9,8 @@ import torch
 import xgrammar
 
 from .backend import GrammarBackend, GrammarMatcher
-from .spec import GrammarSpec, choices_to_ebnf
+from .spec import JSON_FORMAT, GrammarSpec, choices_to_ebnf
 
-# JSON output is one line with ", " and ": " separators: whitespace cannot run away until
-# max_tokens, and keys and punctuation become fixed text that jump-forward can skip.
-JSON_FORMAT = {"any_whitespace": False, "strict_mode": True}
 COMPILER_CACHE_BYTES = 256 * 2**20
 
 

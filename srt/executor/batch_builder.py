@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ..scheduler.step_plan import ExtendPlan
+from ..core.step import ExtendPlan
 from .forward_batch import ForwardBatch, ForwardMode
 
 

@@ -15,15 +15,15 @@ import numpy as np
 import torch
 
 from ..constrained.backend import GrammarBackend
-from ..scheduler.request import Req
-from ..scheduler.step_plan import PendingStep, StepPlan, StepResult
+from ..core.request import Req
+from ..core.step import PendingStep, StepPlan, StepResult
 from ..server_args import ServerArgs
 from .batch_builder import (build_decode_batch, build_extend_batch, build_verify_batch,
                             keeps_every_row)
 from .grammar_mask import apply_draft_grammar_masks, apply_grammar_masks
 from .logprobs import input_logprobs, output_logprobs
 from .model_runner import ModelRunner, kv_slots_for
-from .sampler import apply_penalties, sample
+from .sampler import SeededStreams, apply_penalties, sample
 from .speculative import verify_drafts
 from .token_transfer import TokenTransfer
 
@@ -62,17 +62,18 @@ class DeviceEngine:
         self.overlap = self.device.type == "cuda" and not args.disable_overlap_schedule
         self.last_tokens = torch.zeros(args.max_running_requests, dtype=torch.int64, device=self.device)
         self._transfer = TokenTransfer(self.device)
+        self._streams = SeededStreams(self.device)  # per-request device state: seeded random streams
 
     @torch.inference_mode()
     def launch(self, plan: StepPlan) -> PendingStep:
         draft_probs: dict[int, torch.Tensor] = {}  # by part index: the draft model's q
         speculating = self.draft is not None and any(p.model_drafts for p in plan.parts)
         if speculating:  # the draft model fills in the drafts (and its KV for the whole step)
-            plan, draft_probs = self.draft.propose(plan, self._grammar_backend)
+            plan, draft_probs = self.draft.propose(plan, self._grammar_backend, self._streams)
         if plan.decode:
             from_device = any(p.req.pending_tokens for p in plan.parts)
             batch = build_decode_batch(plan.parts, self.device, self.last_tokens if from_device else None)
-        elif (any(p.drafts or p.model_drafts for p in plan.parts) and keeps_every_row(plan.parts)
+        elif (any(p.verifies for p in plan.parts) and keeps_every_row(plan.parts)
               and sum(p.extend_len for p in plan.parts) <= VERIFY_AS_DECODE_MAX_ROWS):
             batch = build_verify_batch(plan.parts, self.device)
         else:
@@ -90,11 +91,12 @@ class DeviceEngine:
             offset += part.logit_count
             if part.input_logprobs:
                 prompt_logprobs[index] = input_logprobs(part.req, kept, part.first_logit_pos)
-            if part.drafts or part.model_drafts:  # a verify part (a constrained one may have no drafts left)
+            if part.verifies:
                 if part.req.grammar is not None:
                     apply_draft_grammar_masks(kept, part.req, part.drafts, self._grammar_backend())
                 spec_tokens[len(rows) + len(spec_tokens)] = verify_drafts(part.req, kept, part.drafts,
-                                                                          draft_probs.get(index))
+                                                                          draft_probs.get(index),
+                                                                          self._streams.get(part.req))
             elif part.samples:
                 rows.append(kept[-1])
                 reqs.append(part.req)
@@ -112,7 +114,7 @@ class DeviceEngine:
         apply_penalties(logits, reqs, self.eos_ids)
         if any(r.grammar is not None for r in reqs):
             apply_grammar_masks(logits, reqs, self._grammar_backend())
-        next_ids = sample(logits, reqs)
+        next_ids = sample(logits, reqs, self._streams)
         if self.overlap:
             rows = torch.tensor([r.req_pool_idx for r in reqs]).to(self.device, non_blocking=True)
             self.last_tokens[rows] = next_ids

@@ -20,17 +20,16 @@ from typing import Callable
 
 import torch
 
-from ..constrained.backend import GrammarBackend
-from ..constrained.decoding import valid_draft_len
-from ..scheduler.request import Req
-from ..scheduler.step_plan import StepPlan
+from ..constrained.backend import GrammarBackend, valid_draft_len
+from ..core.request import Req
+from ..core.step import StepPlan
 from ..server_args import ServerArgs
 from .batch_builder import build_extend_batch, build_token_batch
 from .forward_batch import ForwardBatch
 from .mem_pool import KVPool, kv_cache_torch_dtype
 from .model_runner import ModelRunner, kv_slots_for, model_bytes, rank_config
 from .parallel import TensorParallel
-from .sampler import filter_probs, make_generator
+from .sampler import SeededStreams, filter_probs
 
 logger = logging.getLogger(__name__)
 
@@ -105,7 +104,7 @@ class DraftModel:
         self.runner.forward(batch)
 
     @torch.inference_mode()
-    def propose(self, plan: StepPlan, grammar_backend: Callable[[], GrammarBackend]
+    def propose(self, plan: StepPlan, grammar_backend: Callable[[], GrammarBackend], streams: SeededStreams
                 ) -> tuple[StepPlan, dict[int, torch.Tensor]]:
         """`plan` with each `model_drafts` part's drafts filled in, the draft's KV written for every
         token of the plan; and, by part index, the distributions q the drafts of sampling
@@ -136,7 +135,7 @@ class DraftModel:
             rows = [active[row] for row in drawing]
             logits = logits[drawing]
             grammars.mask(logits, rows)
-            tokens, probs = draw_drafts(logits, [reqs[j] for j in rows])
+            tokens, probs = draw_drafts(logits, [reqs[j] for j in rows], streams)
             grammars.accept(tokens, rows)
             draft_ids[self._on_device(rows), i] = tokens
             for r, j in enumerate(rows):
@@ -200,10 +199,10 @@ class _DraftGrammars:
                 self.reqs[j].grammar.rollback(count)
 
 
-def draw_drafts(logits: torch.Tensor, reqs: list[Req]) -> tuple[torch.Tensor, torch.Tensor | None]:
+def draw_drafts(logits: torch.Tensor, reqs: list[Req], streams: SeededStreams) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Each row's draft: the argmax for greedy requests, else a draw from the draft's
     distribution q at the request's temperature, top-k/top-p/min-p (normalised; returned too,
-    for the rejection test). Seeded requests draw with their own generator."""
+    for the rejection test). Seeded requests draw from their own stream."""
     params = [r.sampling_params for r in reqs]
     if all(p.is_greedy for p in params):
         return logits.argmax(dim=-1), None
@@ -216,8 +215,6 @@ def draw_drafts(logits: torch.Tensor, reqs: list[Req]) -> tuple[torch.Tensor, to
     for row, req in enumerate(reqs):
         if params[row].is_greedy:
             continue
-        if req.generator is None and params[row].seed is not None:
-            req.generator = make_generator(params[row].seed, logits.device)
-        tokens[row] = torch.multinomial(probs[row], 1, generator=req.generator)[0]
+        tokens[row] = torch.multinomial(probs[row], 1, generator=streams.get(req))[0]
     return tokens, probs
 

@@ -7,7 +7,7 @@ from typing import Sequence
 import torch
 
 from ..constrained.backend import GrammarBackend
-from ..scheduler.request import Req
+from ..core.request import Req
 
 
 def apply_grammar_masks(logits: torch.Tensor, reqs: Sequence[Req], backend: GrammarBackend) -> None:

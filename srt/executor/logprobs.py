@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from ..scheduler.request import Req
-from ..scheduler.step_plan import TokenLogprob
+from ..core.request import Req
+from ..core.step import TokenLogprob
 
 
 def _top(logprobs: torch.Tensor, k: int) -> list[tuple[float, int]]:
@@ -32,7 +32,7 @@ def input_logprobs(req: Req, logits: torch.Tensor, first_pos: int) -> tuple[list
     top_k = req.logprob.top_logprobs_num
     token_lps: list[tuple[float | None, int]] = []
     top_lps: list = []
-    if start == 0 and first_pos == 0 and not req.input_token_logprobs:
+    if start == 0 and first_pos == 0 and not req.logprobs.input_token:
         token_lps.append((None, prompt[0]))
         top_lps.append(None)
     rows = min(logits.shape[0], len(prompt) - 1 - first_pos)

@@ -7,7 +7,8 @@ which the runner takes before any penalty, bias or temperature is applied.
 
 from __future__ import annotations
 
-from typing import Protocol, Sequence
+import weakref
+from typing import Any, Protocol, Sequence
 
 import torch
 
@@ -16,9 +17,27 @@ from ..sampling_params import SamplingParams
 
 class SamplingRequest(Protocol):
     sampling_params: SamplingParams
-    generator: torch.Generator | None  # made from sampling_params.seed on first use
     origin_input_ids: list[int]
     output_ids: list[int]
+
+
+class SeededStreams:
+    """The random stream of each seeded request, made from its seed on first use and kept by
+    the engine for as long as the policy keeps the request's record (a weak key: nothing to
+    release when it finishes). A seeded request is reproducible whatever its batch."""
+
+    def __init__(self, device: torch.device | str):
+        self.device = device
+        self._streams: weakref.WeakKeyDictionary[Any, torch.Generator] = weakref.WeakKeyDictionary()
+
+    def get(self, req: SamplingRequest) -> torch.Generator | None:
+        seed = req.sampling_params.seed
+        if seed is None:
+            return None
+        stream = self._streams.get(req)
+        if stream is None:
+            stream = self._streams[req] = make_generator(seed, self.device)
+        return stream
 
 
 def apply_penalties(logits: torch.Tensor, reqs: Sequence[SamplingRequest], eos_ids: Sequence[int]) -> None:
@@ -45,8 +64,9 @@ def apply_penalties(logits: torch.Tensor, reqs: Sequence[SamplingRequest], eos_i
                 logits[row, blocked] = float("-inf")
 
 
-def sample(logits: torch.Tensor, reqs: Sequence[SamplingRequest]) -> torch.Tensor:
-    """Next token id per row of `logits` ([B, vocab], penalties already applied)."""
+def sample(logits: torch.Tensor, reqs: Sequence[SamplingRequest], streams: SeededStreams) -> torch.Tensor:
+    """Next token id per row of `logits` ([B, vocab], penalties already applied); seeded
+    requests draw from their own stream."""
     params = [r.sampling_params for r in reqs]
     greedy = [p.is_greedy for p in params]
     if all(greedy):
@@ -61,10 +81,7 @@ def sample(logits: torch.Tensor, reqs: Sequence[SamplingRequest]) -> torch.Tenso
         if greedy[row]:
             next_ids[row] = logits[row].argmax()
         elif req.sampling_params.seed is not None:
-            # A per-request generator keeps a seeded request reproducible whatever its batch.
-            if req.generator is None:
-                req.generator = make_generator(req.sampling_params.seed, logits.device)
-            next_ids[row] = torch.multinomial(probs[row], 1, generator=req.generator)[0]
+            next_ids[row] = torch.multinomial(probs[row], 1, generator=streams.get(req))[0]
         else:
             free_rows.append(row)
     if free_rows:

@@ -14,15 +14,17 @@ from __future__ import annotations
 
 import torch
 
-from ..scheduler.request import Req
-from .sampler import filter_probs, make_generator
+from ..core.request import Req
+from .sampler import filter_probs
 
 
-def verify_drafts(req: Req, logits: torch.Tensor, drafts: list[int], draft_probs: torch.Tensor | None = None) -> list[int]:
+def verify_drafts(req: Req, logits: torch.Tensor, drafts: list[int], draft_probs: torch.Tensor | None = None,
+                  gen: torch.Generator | None = None) -> list[int]:
     """The tokens a verify step produces: the accepted drafts, then one token of the model's.
     `logits`: [1 + len(drafts), vocab], raw (speculating requests have no penalties).
     `draft_probs`: [len(drafts), vocab], the distributions the drafts were drawn from (a draft
-    model's, at the request's sampling parameters); None: each draft is a point mass (n-gram)."""
+    model's, at the request's sampling parameters); None: each draft is a point mass (n-gram).
+    `gen`: a seeded request's random stream."""
     sp = req.sampling_params
     if sp.is_greedy:
         target = logits.argmax(dim=-1).tolist()
@@ -34,9 +36,6 @@ def verify_drafts(req: Req, logits: torch.Tensor, drafts: list[int], draft_probs
     if sp.top_k > 0 or sp.top_p < 1.0 or sp.min_p > 0.0:
         probs = filter_probs(probs, [sp] * probs.shape[0])
         probs = probs / probs.sum(dim=-1, keepdim=True)  # p(d) is the filtered distribution's
-    if req.generator is None and sp.seed is not None:
-        req.generator = make_generator(sp.seed, logits.device)
-    gen = req.generator
     # One uniform per draft, drawn up front: a single host read for the whole step.
     uniforms = torch.rand(len(drafts), generator=gen, device=probs.device).tolist()
     rows = torch.arange(len(drafts), device=probs.device)

@@ -25,6 +25,7 @@ import contextlib
 import enum
 import threading
 import time
+from typing import Any
 
 import numpy as np
 import torch
@@ -162,3 +163,23 @@ class StepReceiver:
             req_pool_indices_cpu=rows.tolist(), seq_lens=on_device[3], seq_lens_cpu=seq_lens.tolist(),
             prefix_lens_cpu=prefix_lens.tolist(), extend_lens_cpu=extend_lens.tolist(), logit_rows=on_device[4])
         return kind, batch
+
+
+class Follower:
+    """A follower rank's whole job: every forward rank 0 sends, on this rank's shard, until
+    rank 0 says stop (then it leaves the process group with rank 0)."""
+
+    def __init__(self, runner: Any, receiver: StepReceiver):
+        self.runner = runner
+        self.receiver = receiver
+
+    def follow(self) -> None:
+        from . import parallel
+
+        while True:
+            kind, batch = self.receiver.receive()
+            if kind is Kind.STOP:
+                parallel.shutdown()  # with rank 0, which tears its side down now
+                return
+            if kind is Kind.FORWARD:
+                self.runner.forward(batch)

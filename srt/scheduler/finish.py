@@ -6,7 +6,7 @@ from typing import Any, Sequence
 
 import regex
 
-from .request import FinishReason, Req
+from ..core.request import FinishReason, Req
 
 # Extra tokens decoded beyond a stop string's length, so a string split across tokens is seen.
 _STOP_WINDOW_SLACK = 4

@@ -12,6 +12,8 @@ from itertools import chain
 
 import numpy as np
 
+from ..core.step import kv_pool_slots
+
 
 class ReqToTokenTable:
     """Row r maps request r's token positions to KV slots: `table[r, pos] = slot`.
@@ -62,7 +64,7 @@ class PageAllocator:
         if page_size < 1:
             raise ValueError("page_size must be >= 1")
         self.page_size = page_size
-        self.num_pages = capacity_tokens // page_size + 1  # +1: page 0 is the padding page
+        self.num_pages = kv_pool_slots(capacity_tokens, page_size) // page_size  # page 0: the padding page
         self._free_pages = list(range(self.num_pages - 1, 0, -1))
 
     @property

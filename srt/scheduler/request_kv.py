@@ -10,7 +10,7 @@ import numpy as np
 
 from ...radix import RadixCache
 from .kv_memory import PageAllocator, ReqToTokenTable
-from .request import Req
+from ..core.request import Req
 
 
 class RequestKV:

@@ -1,37 +1,40 @@
 """The scheduler: the scheduling policy, and the loop that drives a device engine with it.
 
-No torch here. The policy owns the queues, admission onto the radix cache and the KV pages,
-chunked prefill, retraction and finishing; each `step()` it hands the engine one `StepPlan`
-(an extend batch when waiting requests fit, prefill first, else one decode step for every
-running request) and commits the engine's `StepResult`s. Requests join and leave the running
-batch between steps (continuous batching).
+No torch here. The policy's parts own their state: the prefill manager the waiting queue and
+chunked prefill (prefill.py), the decode manager the running batch and retraction (decode.py),
+RequestKV who holds which KV (request_kv.py), ConstrainedDecoding the grammars
+(constraints.py). Each `step()` hands the engine one `StepPlan` (an extend batch when waiting
+requests fit, prefill first, else one decode step for every running request) and commits the
+engine's `StepResult`s. Requests join and leave the running batch between steps (continuous
+batching).
 
-Overlap scheduling is the hand-off: a step is launched before the previous step's tokens are
-committed, so the host work between steps (committing tokens, finishing requests, sending
-outputs, planning the next batch) runs while the device computes. A decode step feeds each
-request's newest token straight from the device; requests that will surely finish
+Overlap scheduling is the shape of `step()`: a step is launched before the previous step's
+tokens are committed, so the host work between steps (committing tokens, finishing requests,
+sending outputs, planning the next batch) runs while the device computes. A decode step feeds
+each request's newest token straight from the device; requests that will surely finish
 (max_new_tokens, context length) sit it out, and one that stops on EOS or a stop string
-computes one token that is dropped. Requests whose next step needs their newest token on the
-host (grammars, penalties, logprobs) make their steps run in lockstep, and so do speculative
-verify steps (drafting reads the newest tokens on the host); a decode step in which no request
-drafts overlaps as usual.
+computes one token that is dropped. A step whose successor reads its tokens on the host
+(grammars, penalties, logprobs, speculative verify steps) is committed right after it is
+launched (lockstep); and when the next plan needs the tokens of the step in flight (a request
+is about to draft, or its KV must be made by retraction), they are committed before planning.
 """
 
 from __future__ import annotations
 
 import logging
-from collections import deque
 from typing import Any, Callable
 
 from ...radix import RadixCache
-from ..constrained.decoding import ConstrainedDecoding
+from ..core.request import FinishReason, Req
+from ..core.step import PendingStep, StepEngine, StepPlan
 from ..server_args import ServerArgs
-from .batch_planner import BatchPlanner
+from .constraints import ConstrainedDecoding
+from .decode import DecodeManager
 from .finish import check_finished
 from .kv_memory import PageAllocator, ReqToTokenTable
-from .request import FinishReason, Req
+from .lockstep import needs_host_tokens
+from .prefill import PrefillManager
 from .request_kv import RequestKV
-from .step_plan import PendingStep, StepEngine
 
 logger = logging.getLogger(__name__)
 
@@ -39,14 +42,12 @@ GRAMMAR_POLL_S = 0.005
 
 
 class Scheduler:
-    """`Scheduler(loaded, args)`: the policy over a DeviceEngine for the loaded model.
-    `engine_factory` replaces the device engine (tests drive the policy with a fake one):
-    it has `kv_capacity(config, args) -> tokens` and is called as
+    """`Scheduler(loaded, args, engine_factory)`: the policy over the device engine that
+    `engine_factory` makes for the loaded model (srt/executor/device_engine.py's DeviceEngine,
+    or a fake one in tests): it has `kv_capacity(config, args) -> tokens` and is called as
     `engine_factory(loaded, args, req_to_token, num_kv_slots, eos_ids=..., grammar_backend=...)`."""
 
-    def __init__(self, loaded, args: ServerArgs, engine_factory: Callable[..., StepEngine] | None = None):
-        if engine_factory is None:
-            from ..executor.device_engine import DeviceEngine as engine_factory
+    def __init__(self, loaded, args: ServerArgs, engine_factory: Callable[..., StepEngine]):
         self.args = args = args.with_device_defaults()
         self.config = loaded.config
         self.tokenizer = loaded.tokenizer
@@ -61,10 +62,8 @@ class Scheduler:
                                                args.grammar_compile_timeout, not args.disable_jump_forward)
         self.engine = engine_factory(loaded, args, self.req_table.table, self.allocator.num_pages * args.page_size,
                                      eos_ids=self.eos_ids, grammar_backend=lambda: self.constraints.cache.backend)
-        self.waiting: deque[Req] = deque()
-        self.running: list[Req] = []
-        self.planner = BatchPlanner(self, args)
-        self.chunked: Req | None = None  # a request whose prompt is being prefilled in chunks
+        self.prefill = PrefillManager(self.kv, self.tree, args)
+        self.decode = DecodeManager(self.kv, args, self.context_len, requeue=self.prefill.requeue)
         self.pending: PendingStep | None = None  # launched, not committed yet
         self.in_flight: list[Req] = []  # the requests of the step being launched or run
         self._stepped: list[Req] = []  # requests that produced something since step() began
@@ -87,38 +86,24 @@ class Scheduler:
 
     def add_request(self, req: Req) -> None:
         if req.sampling_params.grammar_spec is None:
-            self.waiting.append(req)
+            self.prefill.add(req)
         else:  # it waits for its grammar without holding anyone back
             self.constraints.submit(req)
 
     def abort(self, rid: str) -> Req | None:
         """Ends a request now: its KV is released and it leaves the queues at once."""
-        for queue in (self.waiting, self.constraints.compiling):
-            for req in list(queue):
-                if req.rid == rid:
-                    queue.remove(req)
-                    req.finish_reason = FinishReason("abort")
-                    return req
-        for req in self.running + ([self.chunked] if self.chunked else []):
-            if req.rid == rid and not req.finished:
-                req.finish_reason = FinishReason("abort")
-                self.kv.release(req)
-                self.running = [r for r in self.running if r is not req]
-                if self.chunked is req:
-                    self.chunked = None
-                return req
-        return None
+        req = self.constraints.abort(rid) or self.prefill.abort(rid) or self.decode.abort(rid)
+        if req is not None:
+            req.finish_reason = FinishReason("abort")
+        return req
 
     def abort_all(self, message: str) -> list[Req]:
         """Ends every request (after an internal error), releasing all their KV."""
-        compiling = self.constraints.compiling
-        reqs = list(self.waiting) + compiling + self.running + ([self.chunked] if self.chunked else [])
+        reqs = list(self.constraints.compiling) + self.prefill.clear() + self.decode.clear()
         reqs += [r for r in self.in_flight if r not in reqs and not r.finished]
+        self.constraints.compiling.clear()
         self.in_flight = []
         self.pending = None  # its tokens are dropped with their requests
-        compiling.clear()
-        self.waiting.clear()
-        self.running, self.chunked = [], None
         for req in reqs:
             if not req.finished:
                 req.finish_reason = FinishReason("abort", message=message)
@@ -127,10 +112,10 @@ class Scheduler:
 
     def flush_cache(self) -> bool:
         """Drops the whole radix cache; refused (False) while requests hold parts of it."""
-        if self.pending is not None and all(r.finished for r in self.pending.plan.reqs):
-            self.commit_pending()  # only tokens of finished requests, to be dropped
         if self.has_work:
             return False
+        if self.pending is not None:
+            self.step()  # a step of finished requests: its tokens are dropped
         self.tree.reset()
         return True
 
@@ -138,54 +123,84 @@ class Scheduler:
     def has_work(self) -> bool:
         # A launched step's unfinished requests are running; one of finished requests only has
         # tokens to drop (committed by the next step, or flush_cache).
-        return bool(self.waiting or self.constraints.compiling or self.chunked
-                    or any(not r.finished for r in self.running))
+        return bool(self.constraints.compiling or self.prefill.has_work or self.decode.has_work)
 
     # ---- the loop ------------------------------------------------------------------------------
 
     def step(self) -> list[Req]:
         """Launches at most one forward and commits the previous one; returns the requests
         that produced a token, prompt logprobs or an ending since the last call."""
-        self.running = [r for r in self.running if not r.finished]  # aborted since the last step
+        self.decode.drop_finished()  # aborted since the last step
         self._stepped = []
-        failed: list[Req] = []
         if self.constraints.compiling:
             ready, failed = self.constraints.poll()
-            self.waiting.extend(ready)
-        if self.pending is not None and (self.pending.plan.needs_host_tokens or self.args.enable_mixed_chunk):
-            self.commit_pending()  # the next plan needs those tokens on the host
-        plan = self.planner.next_plan()
-        launched = None
-        if plan is not None:
-            self.in_flight = plan.reqs
-            launched = self.engine.launch(plan)
-            self.planner.launched(plan)
-            self.steps_launched += 1
-            if not plan.decode:
-                self._stepped.extend(plan.reqs)  # prompt chunks report logprobs; max_new_tokens=0 ends
-            if self.pending is not None:
-                self.steps_overlapped += 1
-        elif not self.running and self.pending is None and not failed:
+            self._stepped.extend(failed)
+            for req in ready:
+                self.prefill.add(req)
+        if self.pending is not None and self.decode.reads_newest_tokens():
+            self._commit(self._take_pending())  # the next plan needs those tokens on the host
+        plan = self._plan()
+        launched = self._launch(plan) if plan is not None else None
+        if launched is None and self.pending is None and not self.decode.running and not self._stepped:
             self.constraints.wait(GRAMMAR_POLL_S)  # nothing to run, perhaps grammars to wait for
-        self.commit_pending()  # the previous step's tokens, read while this one runs
-        self.pending = launched
-        if launched is not None and (not self.overlap or plan.needs_host_tokens):
-            self.commit_pending()
+        # The previous step's tokens, read while this one runs; then this one's, unless the
+        # next step can be planned without them.
+        done = [self._take_pending()]
+        if launched is not None and self._lockstep(plan):
+            done.append(launched)
+        else:
+            self.pending = launched
+        for step in done:
+            self._commit(step)
         # Finished requests leave at once, so has_work is exact between steps (flush_cache).
-        self.running = [r for r in self.running if not r.finished]
-        return list(dict.fromkeys(failed + self._stepped))
+        self.decode.drop_finished()
+        return list(dict.fromkeys(self._stepped))
 
-    def commit_pending(self) -> None:
-        """Commits the launched step (waiting for its tokens): appends each token, records
-        logprobs, and finishes the requests it ends."""
+    def _plan(self) -> StepPlan | None:
+        parts = self.prefill.plan(len(self.decode.running), self.decode.reserve_for)
+        if not parts:
+            return self.decode.plan()
+        riders = self.decode.riders() if self.args.enable_mixed_chunk else []
+        needs_host = any(p.input_logprobs or (p.samples and needs_host_tokens(p.req)) for p in parts)
+        return StepPlan(parts + riders, decode=False, needs_host_tokens=needs_host)
+
+    def _lockstep(self, plan: StepPlan) -> bool:
+        """Whether the step after `plan` reads its tokens on the host. With mixed chunks every
+        step may carry riders, which feed their newest tokens from the host."""
+        return not self.overlap or plan.needs_host_tokens or self.args.enable_mixed_chunk
+
+    def _launch(self, plan: StepPlan) -> PendingStep:
+        self.in_flight = plan.reqs
+        launched = self.engine.launch(plan)
+        self.steps_launched += 1
+        if self.pending is not None:
+            self.steps_overlapped += 1
+        # Every part's tokens now have KV, and each sampling part has a token on the way.
+        for part in plan.parts:
+            part.req.kv_len = part.start + part.extend_len
+            if part.samples:
+                part.req.pending_tokens += 1
+        if not plan.decode:
+            running = set(map(id, self.decode.running))  # riders: running requests in an extend batch
+            prefilled = [p for p in plan.parts if id(p.req) not in running]
+            self.decode.add(self.prefill.launched(prefilled))
+            self._stepped.extend(plan.reqs)  # prompt chunks report logprobs; max_new_tokens=0 ends
+        return launched
+
+    def _take_pending(self) -> PendingStep | None:
         step, self.pending = self.pending, None
+        return step
+
+    def _commit(self, step: PendingStep | None) -> None:
+        """Commits a launched step (waiting for its tokens): appends each token, records
+        logprobs, and finishes the requests it ends."""
         if step is None:
             return
         result = step.result()
         for index, (token_logprobs, top_logprobs) in result.input_logprobs.items():
             req = step.plan.parts[index].req
-            req.input_token_logprobs.extend(token_logprobs)
-            req.input_top_logprobs.extend(top_logprobs)
+            req.logprobs.input_token.extend(token_logprobs)
+            req.logprobs.input_top.extend(top_logprobs)
         sampling_parts = [p for p in step.plan.parts if p.samples]
         for i, (part, token) in enumerate(zip(sampling_parts, result.tokens)):
             req = part.req
@@ -199,9 +214,9 @@ class Scheduler:
             req.output_ids.append(token)
             if result.output_logprobs and result.output_logprobs[i] is not None:
                 chosen, top = result.output_logprobs[i]
-                req.output_token_logprobs.append(chosen)
+                req.logprobs.output_token.append(chosen)
                 if req.logprob.top_logprobs_num > 0:
-                    req.output_top_logprobs.append(top)
+                    req.logprobs.output_top.append(top)
             reason = None
             if req.grammar is not None:
                 room = min(req.sampling_params.max_new_tokens - len(req.output_ids), self.context_len - req.seq_len)
@@ -218,7 +233,7 @@ class Scheduler:
         the last accepted draft kept; the slots of rejected drafts are freed."""
         req.spec_verify_ct += 1
         req.spec_accepted += len(tokens) - 1
-        req.drafting.verified(len(tokens) - 1)
+        self.decode.verified(req, len(tokens) - 1)
         self.spec_verify_steps += 1
         self.spec_accepted_tokens += len(tokens) - 1
         reason = None
@@ -247,8 +262,8 @@ class Scheduler:
 
     def server_info(self) -> dict[str, Any]:
         return {
-            "num_running_reqs": len(self.running) + (1 if self.chunked else 0),
-            "num_waiting_reqs": len(self.waiting),
+            "num_running_reqs": len(self.decode.running) + (1 if self.prefill.chunked else 0),
+            "num_waiting_reqs": len(self.prefill.waiting),
             "kv": self.kv_stats(),
             "cache": self.tree.stats,
             "context_len": self.context_len,
@@ -271,7 +286,7 @@ class Scheduler:
         free = self.allocator.available_size
         evictable, protected = self.tree.evictable_size, self.tree.protected_size
         ps = self.args.page_size
-        holders = self.running + ([self.chunked] if self.chunked else [])
+        holders = self.decode.running + ([self.prefill.chunked] if self.prefill.chunked else [])
         held = sum(-(-r.kv_len // ps) * ps - r.cached_len for r in holders if r.req_pool_idx is not None)
         capacity = self.allocator.capacity
         return {"capacity": capacity, "free": free, "evictable": evictable, "protected": protected,

@@ -34,7 +34,7 @@ from ..forward_batch import ForwardBatch
 from ..mem_pool import KVPool
 from .base import AttentionBackend
 from .cascade_groups import CASCADE_MIN_PREFIX, CascadeGroups, find_groups
-from .flashinfer_cascade import _CascadeStep, cascade_page_tables
+from .flashinfer_cascade import CascadeStep, cascade_page_tables
 from .flashinfer_graphs import FlashInferGraphs
 from .layer_spec import LOGIT_SOFTCAP, SLIDING_WINDOW, LayerAttention
 from .paged_kv import PagedKV, as_pages, build_paged_kv, qo_indptr_for
@@ -144,7 +144,7 @@ class FlashInferBackend(FlashInferGraphs, AttentionBackend):
                           if self._triton_decode else 0)
         self._decode_tables: DecodeTables | None = None  # this decode step's page tables on the device
         self._decode_graph_meta: torch.Tensor | None = None  # graph buckets' indptr | last_page_len
-        self._cascade: _CascadeStep | None = None  # this batch's cascade plan, None for a plain step
+        self._cascade: CascadeStep | None = None  # this batch's cascade plan, None for a plain step
         self._groups_of: tuple[ForwardBatch, CascadeGroups | None] | None = None  # from prefers_eager
         if cascade:
             # merge_state's kernels compile just in time (once per machine): at startup, rather
@@ -264,7 +264,7 @@ class FlashInferBackend(FlashInferGraphs, AttentionBackend):
             # One host-to-device copy, non-blocking: a blocking one would wait for the device.
             both = torch.from_numpy(np.stack([perm, inv])).to(self.device, non_blocking=True)
             reorder, inverse = both[0], both[1]
-        self._cascade = _CascadeStep(tables.num_grouped, reorder, inverse, self.decode, self.prefill)
+        self._cascade = CascadeStep(tables.num_grouped, reorder, inverse, self.decode, self.prefill)
 
     def _plan_decode(self, wrapper, kv: PagedKV, window_left: int = -1) -> None:
         wrapper.plan(kv.indptr, kv.indices, kv.last_page_len, self.num_heads, self.num_kv_heads, self.head_dim,

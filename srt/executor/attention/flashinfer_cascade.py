@@ -36,7 +36,7 @@ def cascade_page_tables(req_to_token: torch.Tensor, rows: list[int], seq_lens: l
 
 
 @dataclass(frozen=True)
-class _CascadeStep:
+class CascadeStep:
     num_grouped: int  # the first num_grouped rows (in level order) belong to groups
     order: torch.Tensor | None  # [B] device: level order -> batch row; None when they are equal
     inverse: torch.Tensor | None  # [B] device: batch row -> level order

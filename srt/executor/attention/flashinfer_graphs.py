@@ -14,7 +14,7 @@ import torch
 
 from ..forward_batch import ForwardBatch
 from .base import DEFAULT_GRAPH_VARIANT
-from .flashinfer_cascade import (GraphCascade, _CascadeStep, graph_cascade_tables,
+from .flashinfer_cascade import (GraphCascade, CascadeStep, graph_cascade_tables,
                                  graph_prefix_segments)
 from .paged_kv import PagedKV, build_paged_kv
 from .triton_decode import load_decode_tables
@@ -144,7 +144,7 @@ class FlashInferGraphs:
         graph.order.copy_(both[0])
         graph.inverse.copy_(both[1])
         graph.merge_mask.copy_(both[2].bool())
-        self._cascade = _CascadeStep(num_grouped, graph.order, graph.inverse, graph.decode, graph.prefix,
+        self._cascade = CascadeStep(num_grouped, graph.order, graph.inverse, graph.decode, graph.prefix,
                                      graph.merge_mask)
         self._planned()
 

@@ -31,7 +31,7 @@ LINEAR_NAMES = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 # FP8 tensor-core GEMMs: Ada (8.9) and Hopper (9.0) and later.
 MIN_CUDA_CAPABILITY = (8, 9)
 # _scaled_mm needs both dimensions of the weight to be multiples of 16.
-_ALIGN = 16
+SCALED_MM_ALIGN = 16
 _EPS = 1e-12  # an all-zero row (or token) gets a tiny scale, not a division by zero
 
 
@@ -174,14 +174,14 @@ def quantize_model_fp8(model: nn.Module, device: torch.device) -> int:
                 raise TypeError(f"quantization fp8: {full} is a {type(child).__name__}, not an nn.Linear; "
                                 "Fp8Linear does not know what else its forward does")
             out_f, in_f = child.weight.shape
-            if out_f % _ALIGN or in_f % _ALIGN:
+            if out_f % SCALED_MM_ALIGN or in_f % SCALED_MM_ALIGN:
                 skipped.append(full)  # _scaled_mm cannot run it; stays exact in the model dtype
                 continue
             setattr(parent, name, Fp8Linear.from_linear(child))
             replaced += 1
     if skipped:
         logger.warning("quantization fp8: %d projections kept in the model dtype (dimensions not multiples of %d), "
-                       "e.g. %s", len(skipped), _ALIGN, skipped[:3])
+                       "e.g. %s", len(skipped), SCALED_MM_ALIGN, skipped[:3])
     logger.info("quantization fp8: %d projections in FP8 e4m3 (per-channel weight scales, per-token activations)",
                 replaced)
     return replaced

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from ..models import checkpoint
-from .fp8 import _ALIGN, FP8, LINEAR_NAMES, Fp8Linear, check_fp8_device
+from .fp8 import SCALED_MM_ALIGN, FP8, LINEAR_NAMES, Fp8Linear, check_fp8_device
 
 logger = logging.getLogger(__name__)
 
@@ -46,7 +46,7 @@ def use_checkpoint_fp8(model: nn.Module, device: torch.device, scales: dict[str,
             raise ValueError(f"FP8 checkpoint: {module_name} fuses tensors of which only some are FP8")
         weight = linear.weight.data
         out_f, in_f = weight.shape
-        if out_f % _ALIGN or in_f % _ALIGN:  # _scaled_mm cannot run it: the scaled values, in the model dtype
+        if out_f % SCALED_MM_ALIGN or in_f % SCALED_MM_ALIGN:  # _scaled_mm cannot run it: the scaled values, in the model dtype
             weight.mul_(vec.to(weight.device, weight.dtype)[:, None])
             continue
         bias = linear.bias.data if linear.bias is not None else None

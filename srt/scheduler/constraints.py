@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-from ..scheduler.request import FinishReason, Req
-from .grammar_cache import GrammarCache
+from ..constrained.grammar_cache import GrammarCache, PendingGrammar
+from ..core.request import FinishReason, Req
 
 
 class ConstrainedDecoding:
@@ -18,14 +18,14 @@ class ConstrainedDecoding:
         self.vocab_size = vocab_size
         self.stop_token_ids = tuple(stop_token_ids)
         self.jump_forward = jump_forward
-        self.compiling: list[Req] = []  # requests whose grammar is not ready yet
+        self.compiling: dict[Req, PendingGrammar] = {}  # requests whose grammar is not ready yet
         self.cache = GrammarCache(self._make_backend, compile_timeout_s)
         self._jump = None  # built with the backend
 
     def _make_backend(self):
         """Runs in the compile worker on first use: both take a second or so to build."""
-        from .jump_forward import JumpForward
-        from .xgrammar_backend import XGrammarBackend
+        from ..constrained.jump_forward import JumpForward
+        from ..constrained.xgrammar_backend import XGrammarBackend
 
         self._jump = JumpForward(self.tokenizer)
         return XGrammarBackend(self.tokenizer, self.vocab_size, self.stop_token_ids)
@@ -33,19 +33,25 @@ class ConstrainedDecoding:
     # ---- waiting for grammars ----------------------------------------------------------------
 
     def submit(self, req: Req) -> None:
-        req.pending_grammar = self.cache.submit(req.sampling_params.grammar_spec)
-        self.compiling.append(req)
+        self.compiling[req] = self.cache.submit(req.sampling_params.grammar_spec)
+
+    def abort(self, rid: str) -> Req | None:
+        """Takes a request out of the compile wait (its compile goes on, cached for others)."""
+        for req in self.compiling:
+            if req.rid == rid:
+                del self.compiling[req]
+                return req
+        return None
 
     def poll(self) -> tuple[list[Req], list[Req]]:
         """(requests whose grammar is ready, with their matcher; requests whose compile failed,
         finished with the reason)."""
         ready, failed = [], []
-        for req in list(self.compiling):
-            outcome = req.pending_grammar.result()
+        for req, pending in list(self.compiling.items()):
+            outcome = pending.result()
             if outcome is None:
                 continue
-            self.compiling.remove(req)
-            req.pending_grammar = None
+            del self.compiling[req]
             compiled, error = outcome
             if error is not None:
                 req.finish_reason = FinishReason("abort", message=error)
@@ -58,7 +64,7 @@ class ConstrainedDecoding:
     def wait(self, seconds: float) -> None:
         """Blocks up to `seconds` for the oldest pending compile (instead of spinning)."""
         if self.compiling:
-            self.compiling[0].pending_grammar.wait(seconds)
+            next(iter(self.compiling.values())).wait(seconds)
 
     # ---- each step -------------------------------------------------------------------------------
 
@@ -77,14 +83,3 @@ class ConstrainedDecoding:
             if jumped is not None:
                 req.output_ids[-1:] = jumped
         return None
-
-
-def valid_draft_len(matcher: Any, drafts: Sequence[int]) -> int:
-    """How many leading drafts the grammar admits from the matcher's state (through one that
-    completes it, none after); the matcher is left as it was. Speculation drafts no further."""
-    accepted = 0
-    while accepted < len(drafts) and not matcher.is_terminated() and matcher.accept_token(drafts[accepted]):
-        accepted += 1
-    if accepted:
-        matcher.rollback(accepted)
-    return accepted

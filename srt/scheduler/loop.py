@@ -1,11 +1,10 @@
-"""The scheduler process: receives requests over ZeroMQ, runs scheduler steps, and pushes each
-request's new tokens to the detokenizer (every step when streaming, else once at the end)."""
+"""The scheduler process's loop: receives requests over ZeroMQ, runs scheduler steps, and pushes
+each request's new tokens to the detokenizer (every step when streaming, else once at the end).
+The process itself is started by srt/entrypoints/scheduler.py."""
 
 from __future__ import annotations
 
 import logging
-import signal
-import sys
 import traceback
 from dataclasses import dataclass
 from typing import Any
@@ -13,12 +12,9 @@ from typing import Any
 import zmq
 
 from .. import io_struct
-from ..io_struct import (AbortReq, BatchTokenOut, ControlReply, ControlReq, ReadySignal, ReqOutput,
-                         TokenizedGenerateReq)
-from ..process_utils import exit_when_parent_dies
+from ..core.request import FinishReason, Req
+from ..io_struct import AbortReq, BatchTokenOut, ControlReply, ControlReq, ReqOutput, TokenizedGenerateReq
 from ..sampling_params import SamplingParams
-from ..server_args import DEVICE_DEPENDENT_FIELDS, ServerArgs
-from .request import FinishReason, Req
 from .scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
@@ -127,7 +123,8 @@ class SchedulerLoop:
             return None
         sent = self.sent.get(req.rid, _Sent())
         new_ids = req.output_ids[sent.ids:]
-        if not new_ids and not req.finished and len(req.input_token_logprobs) == sent.input_logprobs:
+        lps = req.logprobs
+        if not new_ids and not req.finished and len(lps.input_token) == sent.input_logprobs:
             return None
         sp = req.sampling_params
         want_lp = req.logprob.return_logprob
@@ -139,18 +136,18 @@ class SchedulerLoop:
             skip_special_tokens=sp.skip_special_tokens,
             spaces_between_special_tokens=sp.spaces_between_special_tokens, stop=list(sp.stop),
             stop_regex=list(sp.stop_regex), no_stop_trim=sp.no_stop_trim,
-            input_token_logprobs=_pairs(req.input_token_logprobs[sent.input_logprobs:]) if want_lp else None,
-            input_top_logprobs=_tops(req.input_top_logprobs[sent.input_logprobs:]) if want_lp else None,
-            output_token_logprobs=_pairs(req.output_token_logprobs[sent.output_logprobs:]) if want_lp else None,
-            output_top_logprobs=_tops(req.output_top_logprobs[sent.output_logprobs:]) if want_lp else None,
+            input_token_logprobs=_pairs(lps.input_token[sent.input_logprobs:]) if want_lp else None,
+            input_top_logprobs=_tops(lps.input_top[sent.input_logprobs:]) if want_lp else None,
+            output_token_logprobs=_pairs(lps.output_token[sent.output_logprobs:]) if want_lp else None,
+            output_top_logprobs=_tops(lps.output_top[sent.output_logprobs:]) if want_lp else None,
         )
         if req.finished:
             self.sent.pop(req.rid, None)
             self.reqs.pop(req.rid, None)
         else:
             sent.ids = len(req.output_ids)
-            sent.output_logprobs = len(req.output_token_logprobs)
-            sent.input_logprobs = len(req.input_token_logprobs)
+            sent.output_logprobs = len(lps.output_token)
+            sent.input_logprobs = len(lps.input_token)
         return out
 
     def _send(self, msg: Any) -> None:
@@ -163,62 +160,3 @@ def _pairs(items: list[tuple[Any, int]]) -> list[list[Any]]:
 
 def _tops(items: list[Any]) -> list[Any]:
     return [None if top is None else _pairs(top) for top in items]
-
-
-def run_scheduler_process(server_args: dict[str, Any], recv_addr: str, send_addr: str, ready_addr: str,
-                          dist_addr: str | None = None) -> None:
-    """Process entry point (started with multiprocessing's spawn). With tp_size > 1 it is
-    tensor-parallel rank 0, meeting the other ranks at `dist_addr` (host:port)."""
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s scheduler %(levelname)s %(message)s")
-    # Ctrl-C in a terminal reaches the whole process group; the server stops its children itself
-    # (SIGTERM) once it has failed what was in flight, so a child ignores SIGINT rather than dying
-    # mid-step with a traceback.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    exit_when_parent_dies(ipc_addr=recv_addr)
-    ctx = zmq.Context()
-    ready = ctx.socket(zmq.PUSH)
-    ready.setsockopt(zmq.LINGER, 1000)
-    ready.connect(ready_addr)
-    try:
-        from ..executor.model_loader import load_model
-
-        from ..executor import parallel
-
-        args = ServerArgs(**server_args)
-        device = parallel.prepare_rank(args, 0)
-        loaded = load_model(args.model_path, dtype=args.resolved_dtype(), load_format=args.load_format,
-                            tokenizer_path=args.tokenizer_path, device=device, tensor_parallel=(0, args.tp_size))
-        tp = parallel.init_tensor_parallel(args, 0, 0, dist_addr) if args.tp_size > 1 else parallel.current()
-        scheduler = Scheduler(loaded, args)
-        tp.barrier("ready")  # every rank has its shard and KV pool
-        sender = scheduler.engine.runner.step_sender if tp.enabled else None
-        if sender is not None:
-            sender.start(scheduler.req_table.dirty_from)
-        recv = ctx.socket(zmq.PULL)
-        recv.setsockopt(zmq.LINGER, 0)
-        recv.bind(recv_addr)
-        send = ctx.socket(zmq.PUSH)
-        send.setsockopt(zmq.LINGER, 0)
-        send.connect(send_addr)
-    except Exception as e:
-        logger.error("scheduler failed to start:\n%s", traceback.format_exc())
-        ready.send(io_struct.encode(ReadySignal("scheduler", False, error=f"{type(e).__name__}: {e}")))
-        ready.close()
-        sys.exit(1)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    ready.send(io_struct.encode(ReadySignal("scheduler", True, info={
-        "max_total_tokens": scheduler.allocator.capacity, "context_len": scheduler.context_len,
-        # the settings the scheduler filled in for its device, for the HTTP side's admission and reports
-        "device_defaults": {name: getattr(scheduler.args, name) for name in DEVICE_DEPENDENT_FIELDS}})))
-    ready.close()
-    try:
-        SchedulerLoop(scheduler, recv, send, fatal_step_errors=sender is not None).run_forever()
-    finally:
-        if sender is not None:
-            try:
-                sender.stop()
-            except Exception:  # the other ranks may be gone (why we are stopping)
-                pass
-        recv.close()
-        send.close()
-        ctx.term()

@@ -9,10 +9,9 @@ Only plain values and the policy's `Req` records cross it: no torch here.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Protocol
+from typing import Any, Callable, Protocol
 
-if TYPE_CHECKING:
-    from .request import Req
+from .request import Req
 
 # A token's logprob and its top alternatives: (logprob, token_id), [(logprob, token_id), ...].
 TokenLogprob = tuple[tuple[float, int], list[tuple[float, int]]]
@@ -39,6 +38,11 @@ class ExtendPlan:
     # allocated, the tokens are not known yet); the engine fills `drafts` before verifying.
     model_drafts: int = 0
 
+    @property
+    def verifies(self) -> bool:
+        """A speculative verify part (a constrained one may have no drafts left)."""
+        return bool(self.drafts or self.model_drafts)
+
 
 @dataclass
 class StepPlan:
@@ -48,7 +52,7 @@ class StepPlan:
     parts: list[ExtendPlan]
     decode: bool
     # Some request needs this step's tokens on the host before its next step (grammar masks,
-    # penalties, min_new_tokens, logprobs): commit right after launching, no overlap.
+    # penalties, min_new_tokens, logprobs, drafting): commit right after launching, no overlap.
     needs_host_tokens: bool = False
 
     @property
@@ -95,3 +99,9 @@ class StepEngine(Protocol):
     overlap: bool
 
     def launch(self, plan: StepPlan) -> PendingStep: ...
+
+
+def kv_pool_slots(capacity_tokens: int, page_size: int) -> int:
+    """Slots of a KV pool holding `capacity_tokens` usable ones: whole pages, plus page 0 (the
+    padding target). Every tensor-parallel rank sizes its pool by this, as rank 0's policy does."""
+    return (capacity_tokens // page_size + 1) * page_size

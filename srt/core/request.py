@@ -1,4 +1,6 @@
-"""A request as the scheduler tracks it: tokens, KV ownership, sampling state and results."""
+"""A request as the scheduling policy tracks it: its tokens, KV ownership, sampling parameters,
+grammar matcher and results. The device engine reads it through the step plan and never writes
+to it; what the engine keeps per request (RNG streams) it keeps itself. No torch."""
 
 from __future__ import annotations
 
@@ -7,8 +9,6 @@ from typing import Any
 
 from ..io_struct import TokenizedGenerateReq
 from ..sampling_params import SamplingParams
-from .draft_pacing import DraftPacing
-from .ngram import TokenHistory
 
 
 @dataclass(frozen=True)
@@ -31,6 +31,17 @@ class LogprobOptions:
     top_logprobs_num: int = 0
 
 
+@dataclass
+class LogprobResults:
+    """Logprobs computed so far: (logprob, token_id) per token and its top-k list of pairs
+    (None for a prompt position without one)."""
+
+    input_token: list[tuple[float | None, int]] = field(default_factory=list)
+    input_top: list[list[tuple[float, int]] | None] = field(default_factory=list)
+    output_token: list[tuple[float, int]] = field(default_factory=list)
+    output_top: list[list[tuple[float, int]]] = field(default_factory=list)
+
+
 @dataclass(eq=False)
 class Req:
     rid: str
@@ -39,11 +50,9 @@ class Req:
     logprob: LogprobOptions = field(default_factory=LogprobOptions)
     namespace: Any = None  # radix-cache namespace (cache salt, LoRA id)
     stream: bool = False  # send outputs every step, not only at the end
-    generator: Any = None  # the sampler's seeded torch.Generator, made on first use
     output_ids: list[int] = field(default_factory=list)
     finish_reason: FinishReason | None = None
-    grammar: Any = None  # GrammarMatcher once the request's grammar compiled
-    pending_grammar: Any = None  # PendingGrammar while it compiles
+    grammar: Any = None  # the GrammarMatcher, once the request's grammar compiled
     # Tokens sampled on the device but not yet in output_ids: with overlap scheduling a step's
     # tokens reach the host while the next step runs (at most one between steps).
     pending_tokens: int = 0
@@ -59,19 +68,12 @@ class Req:
     # Speculative decoding: verify forwards run for this request, and draft tokens accepted.
     spec_verify_ct: int = 0
     spec_accepted: int = 0
-    drafting: DraftPacing = field(default_factory=DraftPacing)  # whether drafting for it pays
-    draft_history: TokenHistory = field(default_factory=TokenHistory)  # its tokens for the n-gram search
-
-    # Results for logprobs: lists of (logprob, token_id) and top-k lists per token.
-    input_token_logprobs: list[tuple[float | None, int]] = field(default_factory=list)
-    input_top_logprobs: list[list[tuple[float, int]] | None] = field(default_factory=list)
-    output_token_logprobs: list[tuple[float, int]] = field(default_factory=list)
-    output_top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
+    logprobs: LogprobResults = field(default_factory=LogprobResults)
 
     @classmethod
     def from_tokenized(cls, msg: TokenizedGenerateReq, vocab_size: int) -> Req:
-        """The scheduler's record of a request the intake validated. Raises ValueError for a
-        message whose sampling parameters do not validate (a bad peer)."""
+        """The record of a request the intake validated. Raises ValueError for a message whose
+        sampling parameters do not validate (a bad peer)."""
         sp = msg.sampling_params
         if not isinstance(sp, SamplingParams):
             raise ValueError(f"sampling_params: expected SamplingParams, got {type(sp).__name__}")
