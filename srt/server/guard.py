@@ -9,7 +9,7 @@ import collections
 import math
 import secrets
 import time
-from typing import Any
+from typing import Any, Callable
 
 from .errors import error_response
 
@@ -22,9 +22,11 @@ class _BodyTooLarge(Exception):
     pass
 
 
-async def run_with_body_cap(app: Any, scope: Any, receive: Any, send: Any, max_bytes: int, refuse: Any) -> None:
-    """Runs `app`, refusing with the ASGI app `refuse` (413) once the body passes `max_bytes`
-    (a chunked body has no content-length to check first), unless the answer has started."""
+async def run_with_body_cap(app: Any, scope: Any, receive: Any, send: Any, max_bytes: int,
+                            refusal: Callable[[], Any]) -> None:
+    """Runs `app`, refusing with the ASGI app `refusal()` returns (413) once the body passes
+    `max_bytes` (a chunked body has no content-length to check first), unless the answer has
+    started. `refusal` is called only then: it counts the refusal."""
     received = 0
     started = False
 
@@ -45,7 +47,7 @@ async def run_with_body_cap(app: Any, scope: Any, receive: Any, send: Any, max_b
         await app(scope, counting_receive, tracking_send)
     except _BodyTooLarge:
         if not started:
-            await refuse(scope, receive, send)
+            await refusal()(scope, receive, send)
 
 
 def bearer_token(authorization: bytes) -> bytes | None:
@@ -93,16 +95,20 @@ class Guard:
         self.limiter = RateLimiter(rate_limit_rpm) if rate_limit_rpm > 0 else None
 
     def _refuse(self, reason: str, status: int, message: str, retry_after_s: float | None = None) -> Any:
+        """The refusal's response; counts it, so call it only to refuse."""
         self.state.tm.metrics.on_rejected(reason)
         response = error_response(status, message)
         if retry_after_s is not None:
             response.headers["Retry-After"] = str(max(1, math.ceil(retry_after_s)))
         return response
 
+    def _body_too_large(self) -> Any:
+        return self._refuse("body_too_large", 413, f"request body over {self.max_bytes} bytes (--max-request-bytes)")
+
     def _check(self, scope: Any, headers: dict[bytes, bytes]) -> Any:
         length = headers.get(b"content-length", b"0")
         if not length.isdigit() or int(length) > self.max_bytes:
-            return self._refuse("body_too_large", 413, f"request body over {self.max_bytes} bytes (--max-request-bytes)")
+            return self._body_too_large()
         if self.api_key and scope["path"] not in OPEN_PATHS:
             token = bearer_token(headers.get(b"authorization", b""))
             if token is None or not secrets.compare_digest(token, self.api_key):
@@ -128,5 +134,4 @@ class Guard:
         refusal = self._check(scope, dict(scope["headers"]))
         if refusal is not None:
             return await refusal(scope, receive, send)
-        await run_with_body_cap(self.app, scope, receive, send, self.max_bytes, self._refuse(
-            "body_too_large", 413, f"request body over {self.max_bytes} bytes (--max-request-bytes)"))
+        await run_with_body_cap(self.app, scope, receive, send, self.max_bytes, self._body_too_large)
