@@ -3,6 +3,7 @@ that never outlive the server."""
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import shutil
 import socket
@@ -15,7 +16,10 @@ def exit_when_parent_dies(poll_s: float = 1.0, ipc_addr: str | None = None) -> N
     """A child must not outlive the server (e.g. after SIGKILL of the main process). The one
     that notices also removes the server's private ipc directory (given as one of its socket
     addresses, ipc://DIR/NAME), which the dead server could not."""
-    parent = os.getppid()
+    # The pid of the process that started this one, not os.getppid() now: a server stopped
+    # while this child still imported torch has died already, and this child was handed to init.
+    started_by = multiprocessing.parent_process()
+    parent = started_by.pid if started_by is not None else os.getppid()
 
     def watch() -> None:
         while True:
@@ -30,7 +34,8 @@ def exit_when_parent_dies(poll_s: float = 1.0, ipc_addr: str | None = None) -> N
 
 def stage(message: str) -> None:
     """A line saying what the server is doing, whatever the log level: a first start takes a
-    while and should explain itself (lang's Runtime relays these lines to its user)."""
+    while (converting a GGUF once, loading) and should explain itself (lang's Runtime relays
+    these lines to its user)."""
     print(f"[radixlm] {message}", file=sys.stderr, flush=True)
 
 
