@@ -25,6 +25,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from ..process_utils import stage
+
 if TYPE_CHECKING:
     import torch
 
@@ -270,14 +272,18 @@ def convert_gguf(gguf_path: str | os.PathLike[str], expected_sha256: str | None 
         hf_config.save_pretrained(out_dir)
         save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
         if _has_tokenizer(reader):
+            stage(f"converting the tokenizer of {gguf_path.name}")
             tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
             tokenizer.save_pretrained(out_dir)
         else:
             logger.warning("%s has no tokenizer metadata; the converted model has no tokenizer", gguf_path)
         _write_marker(out_dir, gguf_path, sha256)
-        logger.info("converted %s (%d tensors) in %.1fs", gguf_path, len(tensors), time.perf_counter() - started)
+        mib = sum(t.numel() * t.element_size() for t in tensors.values()) / 2**20
+        stage(f"converted {gguf_path.name} in {time.perf_counter() - started:.1f}s: {len(tensors)} tensors, "
+              f"{mib:.0f} MiB in float32")
 
-    logger.info("converting %s into %s (first use; later loads read the cache)", gguf_path, cache_dir)
+    # A line, whatever the log level: this takes from seconds to minutes, once per file.
+    stage(f"converting {gguf_path.name} into {cache_dir} (once; later loads read that copy): reading its metadata")
     _publish(cache_dir, gguf_path, build)
     return cache_dir
 

@@ -118,14 +118,37 @@ def load_model(
     else:
         fp8_scales = {} if quantized == "fp8" else None
         weights = _load_safetensors(local_dir, config, dtype, device, shard, fp8_scales)
-    size_mib = (sum(math.prod(shape) for shape in weight_shapes(config).values()) * dtype.itemsize / 2**20
-                if weights else 0.0)
-    logger.info(
-        "loaded %s (%s, %d tensors, %.0f MiB %s on %s) in %.2fs",
-        source, load_format, len(weights), size_mib, dtype, device, time.perf_counter() - started,
-    )
+    logger.info("%s", _load_summary(source, local_dir, weights, config, shard, dtype, device, load_format,
+                                    time.perf_counter() - started))
     return LoadedModel(source, str(local_dir), hf_config, config, tokenizer, weights, shard,
                        fp8_scales if with_weights and load_format != "dummy" else None)
+
+
+def _load_summary(source: str, local_dir: Path, weights: Mapping[str, torch.Tensor], config: ModelConfig,
+                  shard: ShardPlan | None, dtype: torch.dtype, device: str | torch.device, load_format: str,
+                  elapsed: float) -> str:
+    """What one load did: a load without weights (a process that never runs the model) says so
+    rather than "0 tensors"; the size is what this rank holds."""
+    if not weights:
+        return f"read the config and tokenizer of {source} in {elapsed:.2f}s (not its weights)"
+    shapes = weight_shapes(config)
+    held = {name: _piece_shape(shapes[name], shard.pieces(name)) if shard else shapes[name] for name in weights}
+    mib = sum(math.prod(shape) for shape in held.values()) * dtype.itemsize / 2**20
+    what = f"{len(weights)} tensors, {mib:.0f} MiB in {dtype} on {device}"
+    if shard is not None:
+        what += f", tensor-parallel rank {shard.rank} of {shard.size}"
+    if load_format == "dummy":
+        return f"made random weights for {source} in {elapsed:.2f}s: {what}, generated when read"
+    read_from = "" if Path(source).expanduser().resolve() == local_dir.resolve() else f" from {local_dir}"
+    return f"loaded the weights of {source}{read_from} in {elapsed:.2f}s: {what}"
+
+
+def _piece_shape(shape: tuple[int, ...], pieces: list[Piece] | None) -> tuple[int, ...]:
+    """The shape of the part of a tensor that `take_pieces` reads."""
+    if not pieces:  # all of it, or zeros of its shape
+        return shape
+    dim = pieces[0][0]
+    return tuple(sum(stop - start for _, start, stop in pieces) if d == dim else n for d, n in enumerate(shape))
 
 
 def load_tokenizer(path: str | os.PathLike[str]) -> Any:
