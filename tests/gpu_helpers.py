@@ -3,23 +3,17 @@
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-# The vocab-only GGUF lives in shared/ on development machines; the GPU machine gets a
-# converted copy carried in .whl/ (see README, "GPU").
-TOKENIZER_CANDIDATES = (REPO.parent / "shared/models/llama3-tokenizer-vocab.gguf", REPO / ".whl/llama3-tokenizer")
+from benchmarks.models import LLAMA3_TOKENIZER_GGUF
 
 
 def llama3_tokenizer_path() -> str:
-    env = os.environ.get("RADIXLM_LLAMA3_TOKENIZER")
-    if env:
-        return env
-    for path in TOKENIZER_CANDIDATES:
-        if path.exists():
-            return str(path)
-    raise FileNotFoundError(f"no Llama-3 tokenizer at {[str(p) for p in TOKENIZER_CANDIDATES]}")
+    """The Llama-3 tokenizer as an HF directory: the repository's vocab-only GGUF, converted
+    into the project's cache on first use (later calls, and servers given it, read the cache)."""
+    from radixlm.srt.executor.gguf_loader import convert_gguf_tokenizer
+
+    return str(convert_gguf_tokenizer(LLAMA3_TOKENIZER_GGUF))
 
 
 def small_llama_config(tmp_dir: Path, num_layers: int = 4) -> str:

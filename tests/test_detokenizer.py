@@ -28,6 +28,8 @@ from radixlm.srt.executor.gguf_loader import convert_gguf_tokenizer
 from radixlm.srt.io_struct import BatchTextOut, BatchTokenOut, ControlReply, ReadySignal, ReqOutput
 from radixlm.srt.executor.model_loader import load_tokenizer
 
+from benchmarks.models import LLAMA3_TOKENIZER_GGUF
+
 TEXTS = [
     "Hello 😀 wörld 你好, naïve café — ok?",
     "Emoji run: 🎉🎉👨‍👩‍👧🇫🇷 and 日本語のテキスト with Ünïcödé accents ñ ç ø å.",
@@ -363,14 +365,8 @@ def test_detokenizer_process_reports_a_failed_start():
 
 # ---------------------------------------------------------------- the process's decoder
 
-LLAMA3_TOKENIZER_GGUF = Path(__file__).resolve().parents[2] / "shared/models/llama3-tokenizer-vocab.gguf"
-
-
 def _tokenizer_dirs(default_model) -> list[str]:
-    dirs = [default_model.local_dir]
-    if LLAMA3_TOKENIZER_GGUF.is_file():  # the development machines and CI lay ../shared there
-        dirs.append(str(convert_gguf_tokenizer(LLAMA3_TOKENIZER_GGUF)))
-    return dirs
+    return [default_model.local_dir, str(convert_gguf_tokenizer(LLAMA3_TOKENIZER_GGUF))]
 
 
 def test_the_process_decodes_through_tokenizers_exactly_as_transformers(default_model):

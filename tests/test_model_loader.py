@@ -19,10 +19,8 @@ from radixlm.srt.executor import default_model as default_model_module
 from radixlm.srt.executor import gguf_loader, model_loader
 from radixlm.srt.executor.model_loader import LoadedModel, default_model_path, load_model, load_tokenizer, weight_shapes
 
+from benchmarks.models import LLAMA3_TOKENIZER_GGUF
 from model_helpers import write_stub_gguf
-
-# ../shared beside the checkout (the development machines and CI lay it there).
-LLAMA3_TOKENIZER_GGUF = Path(__file__).resolve().parents[2] / "shared/models/llama3-tokenizer-vocab.gguf"
 
 
 @pytest.fixture(scope="module")
@@ -368,7 +366,6 @@ def test_dummy_from_config_file_with_overrides(tmp_path: Path) -> None:
     assert loaded.weights["model.layers.0.mlp.gate_proj.weight"].shape == (512, 4096)
 
 
-@pytest.mark.skipif(not LLAMA3_TOKENIZER_GGUF.is_file(), reason="shared Llama-3 tokenizer GGUF not present")
 def test_dummy_with_vocab_only_gguf_tokenizer(tmp_path: Path) -> None:
     # The first run converts the tokenizer into the user cache (~20 s); later runs read it.
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 1,
