@@ -1,9 +1,12 @@
-"""Shared fixtures: one Engine and one HF reference model on the embedded default model."""
+"""Shared fixtures: one Engine, one HF reference model and one server on the embedded default
+model; every server a test starts writes under this session's temporary directory."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+
+from benchmarks.harness import ServerProcess
 
 
 def pytest_collection_modifyitems(config, items):
@@ -13,6 +16,15 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def servers_write_under_pytest_tmp(tmp_path_factory):
+    """Each server keeps its log and its TMPDIR (so its private ipc directory too) in a folder
+    of its own under pytest's temporary directory, which pytest prunes; nothing is left in /tmp."""
+    ServerProcess.temp_root = tmp_path_factory.mktemp("servers")
+    yield
+    ServerProcess.temp_root = None
 
 
 @pytest.fixture(scope="session")
@@ -43,8 +55,6 @@ def hf_model(default_model):
 @pytest.fixture(scope="session")
 def server():
     """A real `radixlm serve` on the default model (no API key), shared by the integration tests."""
-    from server_helpers import ServerProcess
-
     srv = ServerProcess("--max-total-tokens", "16384")
     yield srv
     srv.stop()

@@ -31,7 +31,7 @@ from radixlm.srt.router.policy import CacheAware, RoundRobin
 from radixlm.srt.router.prefix_tree import PrefixTree
 from radixlm.srt.router.worker_metrics import merge_worker_metrics
 from radixlm.srt.router.workers import Worker
-from server_helpers import ServerProcess, free_port
+from benchmarks.harness import RouterProcess, ServerProcess, free_port, wait_until
 
 KEY = "router-test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -153,37 +153,6 @@ def test_router_caps_request_bodies_chunked_ones_too():
 
 # ---- a router without a model ---------------------------------------------------------------------
 
-class RouterProcess:
-    def __init__(self, *args: str, env: dict[str, str] | None = None):
-        self.port = free_port()
-        self.base_url = f"http://127.0.0.1:{self.port}"
-        self.log_path = f"/tmp/radixlm-test-router-{self.port}.log"
-        self._log = open(self.log_path, "w")
-        cli = "from radixlm.srt.launch import cli; cli()"  # what the `radixlm` console script runs
-        self.proc = subprocess.Popen([sys.executable, "-c", cli, "router", "--port", str(self.port), *args],
-                                     stdout=self._log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            assert self.proc.poll() is None, self.log()
-            try:
-                httpx.get(self.base_url + "/health", timeout=2)
-                return
-            except httpx.HTTPError:
-                time.sleep(0.2)
-        raise RuntimeError("router did not start:\n" + self.log())
-
-    def log(self) -> str:
-        with open(self.log_path) as f:
-            return f.read()[-4000:]
-
-    def stop(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            self.proc.wait(30)
-        self._log.close()
-        return self.proc.returncode
-
-
 def test_router_without_workers_answers_503_naming_them_and_guards_the_key():
     dead_port = free_port()  # nothing listens there
     silent = socket.socket()  # accepts connections (the backlog) but never answers
@@ -191,7 +160,7 @@ def test_router_without_workers_answers_503_naming_them_and_guards_the_key():
     silent.listen(16)
     silent_url = f"http://127.0.0.1:{silent.getsockname()[1]}"
     router = RouterProcess("--worker-urls", f"127.0.0.1:{dead_port}", silent_url, "--health-timeout", "1",
-                           "--health-interval", "0.5", env={"RADIXLM_API_KEY": KEY})
+                           "--health-interval", "0.5", env={"RADIXLM_API_KEY": KEY}, wait_for_workers=False)
     try:
         health = httpx.get(router.base_url + "/health", timeout=10)  # open without the key
         assert health.status_code == 503
@@ -391,10 +360,13 @@ def test_killing_a_replica_loses_no_request_that_had_not_started_streaming(dp):
     assert again.status_code == 200 and again.headers["x-radixlm-worker"] == survivor
     # The last replica gone: 503 naming the workers, then the command exits 1.
     os.kill(_replica_pid(dp, survivor), signal.SIGKILL)
-    deadline = time.monotonic() + 10
-    while (health := httpx.get(dp.base_url + "/health", timeout=10)).status_code == 200:
-        assert time.monotonic() < deadline
-        time.sleep(0.1)
+
+    def unhealthy() -> httpx.Response | None:
+        health = httpx.get(dp.base_url + "/health", timeout=10)
+        return health if health.status_code != 200 else None
+
+    health = wait_until(unhealthy, 10)
+    assert health is not None, "still healthy 10 s after the last replica died"
     assert health.status_code == 503
     assert "no healthy workers" in health.json()["error"]["message"] and victim in health.text
     assert dp.proc.wait(30) == 1

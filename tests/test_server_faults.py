@@ -17,7 +17,7 @@ import time
 import httpx
 import pytest
 
-from server_helpers import ServerProcess, pid_alive
+from benchmarks.harness import ServerProcess, pid_alive, wait_until
 
 LONG = {"max_new_tokens": 4000, "ignore_eos": True}
 
@@ -40,6 +40,24 @@ def _final_error(lines: list[str]) -> dict:
     return events[-1]["error"]
 
 
+async def _until_active(c: httpx.AsyncClient, count: int, timeout: float = 120) -> None:
+    """Returns once the server holds `count` requests (its tokenizer manager's count)."""
+    async def poll() -> None:
+        while (await c.get("/get_server_info")).json()["num_active_requests_main"] < count:
+            await asyncio.sleep(0.05)
+
+    await asyncio.wait_for(poll(), timeout)
+
+
+async def _health_once_handled(c: httpx.AsyncClient, within: float) -> httpx.Response:
+    """The first /health answer that is not 200 (the server has handled a signal), or the last
+    one `within` seconds on."""
+    deadline = time.monotonic() + within
+    while (health := await c.get("/health")).status_code == 200 and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    return health
+
+
 async def _requests_in_flight(srv: ServerProcess, act) -> tuple[list[str], httpx.Response, list[str], float]:
     """A native stream, a native whole request and an OpenAI stream under way; `act()` runs once
     all three are running. Returns their outcomes and how long after `act` the last one ended."""
@@ -51,7 +69,7 @@ async def _requests_in_flight(srv: ServerProcess, act) -> tuple[list[str], httpx
             c, "/v1/completions", {"prompt": "Once", "stream": True, "max_tokens": 4000, "ignore_eos": True}, s2))
         whole = asyncio.ensure_future(c.post("/generate", json={"text": "Go on.", "sampling_params": LONG}))
         await asyncio.wait_for(asyncio.gather(s1.wait(), s2.wait()), 120)
-        await asyncio.sleep(0.5)
+        await _until_active(c, 3)  # the whole request too
         acted = time.monotonic()
         act()
         results = await asyncio.wait_for(asyncio.gather(native, whole, openai), 60)
@@ -93,11 +111,9 @@ def test_sigterm_drains_finishes_short_requests_and_fails_the_rest():
             await asyncio.wait_for(started.wait(), 120)
             short = asyncio.ensure_future(c.post("/generate", json={
                 "text": "Hi", "sampling_params": {"max_new_tokens": 4, "ignore_eos": True}}))
-            while (await c.get("/get_server_info")).json()["num_active_requests_main"] < 2:
-                await asyncio.sleep(0.05)  # both are in the server before it is told to stop
+            await _until_active(c, 2)  # both are in the server before it is told to stop
             srv.proc.send_signal(signal.SIGTERM)
-            await asyncio.sleep(0.5)
-            health = await c.get("/health")
+            health = await _health_once_handled(c, within=0.5)
             refused = await c.post("/generate", json={"text": "Hi", "sampling_params": {"max_new_tokens": 1}})
             return health, refused, await short, await long_stream
 
@@ -108,14 +124,14 @@ def test_sigterm_drains_finishes_short_requests_and_fails_the_rest():
     assert short.status_code == 200 and short.json()["meta_info"]["completion_tokens"] == 4
     assert "shutting down" in _final_error(long_lines)["message"] and long_lines[-1] == "[DONE]"
     assert srv.proc.wait(30) == 0
-    time.sleep(1)
+    wait_until(lambda: not any(pid_alive(p) for p in children), 1)
     assert not any(pid_alive(p) for p in children)
     assert "Traceback" not in srv.log()
     srv.stop()
 
 
 def test_ctrl_c_is_quiet_and_ends_streams_with_an_error_event():
-    srv = ServerProcess("--max-total-tokens", "8192", new_session=True)
+    srv = ServerProcess("--max-total-tokens", "8192", own_group=True)
     children = _children_of(srv)
     # A terminal's Ctrl-C: SIGINT to the whole process group, children included.
     native, whole, openai, took = asyncio.run(_requests_in_flight(srv, lambda: os.killpg(srv.proc.pid, signal.SIGINT)))
@@ -124,7 +140,7 @@ def test_ctrl_c_is_quiet_and_ends_streams_with_an_error_event():
     assert "shutting down" in _final_error(openai)["message"]
     assert whole.status_code == 503
     assert srv.proc.wait(30) == 0
-    time.sleep(1)
+    wait_until(lambda: not any(pid_alive(p) for p in children), 1)
     assert not any(pid_alive(p) for p in children)
     log = srv.log()
     assert "Traceback" not in log and "KeyboardInterrupt" not in log
@@ -137,9 +153,7 @@ def test_kill_9_of_the_main_process_leaves_no_children_and_no_ipc_directory():
     ipc_dir = re.search(r"ipc directory: (\S+)", srv.log()).group(1)
     srv.proc.kill()
     srv.proc.wait()
-    deadline = time.monotonic() + 15
-    while (os.path.exists(ipc_dir) or any(pid_alive(p) for p in children)) and time.monotonic() < deadline:
-        time.sleep(0.2)
+    wait_until(lambda: not os.path.exists(ipc_dir) and not any(pid_alive(p) for p in children), 15)
     assert not os.path.exists(ipc_dir)
     assert not any(pid_alive(p) for p in children)
     srv.stop()

@@ -6,12 +6,11 @@ import asyncio
 import os
 import re
 import signal
-import time
 
 import httpx
 import pytest
 
-from server_helpers import ServerProcess, pid_alive
+from benchmarks.harness import ServerProcess, pid_alive, wait_until
 
 
 @pytest.fixture(scope="module")
@@ -70,9 +69,7 @@ def test_sigterm_stops_children_and_removes_sockets(default_model):
     assert not os.path.exists(ipc_dir)
     # multiprocessing's resource tracker exits when it reads EOF from the dead server, a moment
     # after the server itself: allow it that moment, but nothing may outlive it.
-    deadline = time.monotonic() + 10
-    while any(pid_alive(p) for p in children) and time.monotonic() < deadline:
-        time.sleep(0.1)
+    wait_until(lambda: not any(pid_alive(p) for p in children), 10)
     assert children and not any(pid_alive(p) for p in children)
 
 
@@ -81,15 +78,18 @@ def test_dead_child_makes_server_unhealthy_and_exit_nonzero():
     children = srv.children_pids()
     os.kill(children[-1], signal.SIGKILL)
     saw_unhealthy = False
-    deadline = time.monotonic() + 30
-    while srv.proc.poll() is None and time.monotonic() < deadline:
+
+    def exited_after_a_health_check() -> bool:
+        nonlocal saw_unhealthy
         try:
             saw_unhealthy |= httpx.get(f"{srv.base_url}/health", timeout=1).status_code == 503
         except httpx.HTTPError:
             pass
-        time.sleep(0.2)
+        return srv.proc.poll() is not None
+
+    wait_until(exited_after_a_health_check, 30, interval=0.2)
     assert srv.proc.wait(30) != 0
     assert saw_unhealthy
-    time.sleep(2)
+    wait_until(lambda: not any(pid_alive(p) for p in children), 2)
     assert not any(pid_alive(p) for p in children)
     srv.stop()

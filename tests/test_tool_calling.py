@@ -211,7 +211,7 @@ THINKING_TEMPLATE = (
 def test_reasoning_parser_with_a_template_that_opens_the_think_block(tmp_path):
     """The prompt ends inside <think>: what the model writes up to </think> is reasoning_content,
     the rest content, whole and streamed, as the parser splits the raw output."""
-    from server_helpers import ServerProcess
+    from benchmarks.harness import ServerProcess
 
     from radixlm.srt.server.tool_calls.reasoning import split_reasoning
 
