@@ -4,13 +4,14 @@ program that uses gen, select and fork, printing each answer as it comes.
     python examples/quickstart.py               # starts `radixlm serve` as a child process
     python examples/quickstart.py --url URL     # uses a server that is already running
 
-On 2 CPU cores the first run takes about a minute (it converts the weights once); the server
-says what it is doing while it starts.
+It says what it is doing all along: the server's start (on a first run it converts the weights
+once, which takes about half a minute on 2 CPU cores), then each answer as it is generated.
 """
 
 import argparse
 import sys
 import time
+from collections.abc import Iterator
 
 import radixlm as sgl
 
@@ -29,6 +30,17 @@ def city_guide(s, city):
     forks.join()
 
 
+def print_as_generated(label: str, pieces: Iterator[str]) -> None:
+    """Prints a label, then the text piece by piece as the server generates it."""
+    print(label, end=" ", flush=True)
+    text_began = False
+    for piece in pieces:
+        piece = piece if text_began else piece.lstrip()
+        text_began = text_began or bool(piece)
+        print(piece, end="", flush=True)
+    print(flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--url", help="a running radixlm server (default: start one)")
@@ -39,14 +51,18 @@ def main() -> None:
     try:
         cities = ["Paris", "Tokyo"]
         print(f"asking about {' and '.join(cities)} at once (one batch on the server)...", flush=True)
-        # run_batch runs the programs concurrently, so their decode steps share the batch.
-        states = city_guide.run_batch([{"city": c} for c in cities], temperature=0, generator_style=True)
+        # stream=True returns at once and runs each program in its own thread: both are on the
+        # server together, so their decode steps share a batch, and each answer shows as it comes.
+        states = [city_guide.run(city=city, temperature=0, stream=True) for city in cities]
         for city, state in zip(cities, states):
             print(f"== {city}")
-            print("about:    ", state["about"].strip())
+            print_as_generated("about:    ", state.text_iter("about"))
             scores = state.get_meta_info("continent")["scores"]  # mean logprob of each choice's tokens
-            print("continent:", state["continent"], "| scores:", " ".join(f"{x:.2f}" for x in scores))
-            print("landmark: ", state["fact"][0].strip())
+            print("continent:", state["continent"], "| scores:", " ".join(f"{x:.2f}" for x in scores), flush=True)
+            print("landmark: ", end=" ", flush=True)  # the fork's two branches, set when they join
+            if state.error() is not None:  # waits for the program's end
+                raise state.error()
+            print(state["fact"][0].strip())
             print("dish:     ", state["fact"][1].strip(), flush=True)
         cache = backend.get_server_info()["cache"]
         print(f"radix cache hit rate: {cache['hit_rate']:.0%} ({cache['hit_tokens']} of {cache['queried_tokens']} "

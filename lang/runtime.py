@@ -21,6 +21,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.request
 from typing import Any, Iterator
@@ -41,18 +42,23 @@ class Runtime(Backend):
     """`Runtime(model_path=None, **server_args)`: server_args are `radixlm serve` flags with
     underscores (max_total_tokens=16384, api_key="...", ...); `port` defaults to a free one.
     With `verbose` (the default) the server's progress lines (loading, converting the weights on
-    a first run, warming up) are relayed to stderr while it starts: a first start takes a while."""
+    a first run, warming up) are relayed to stderr while it starts: a first start takes a while.
+    `shutdown()` fails the requests still in flight at once (graceful_shutdown_timeout=0) unless
+    a graceful_shutdown_timeout is given."""
 
     def __init__(self, model_path: str | None = None, *, startup_timeout: float = 600.0, log_level: str = "warning",
                  verbose: bool = True, **server_args: Any):
         unknown = sorted(set(server_args) - _server_flags())
         if unknown:
             raise TypeError(f"Runtime() got unexpected server arguments {unknown}")
+        # shutdown() stops the server at once: the requests still in flight are this process's
+        # own, and a Ctrl-C should not wait for them (a server's default drain is 30 s).
+        server_args.setdefault("graceful_shutdown_timeout", 0)
         self.port = int(server_args.pop("port", None) or _free_port())
         host = server_args.pop("host", "127.0.0.1")
         self.url = f"http://{host}:{self.port}"
         self.api_key = server_args.pop("api_key", None)
-        self._relay = _ProgressRelay() if verbose else None
+        self._relay: _ProgressRelay | None = None
         args = [*_SERVER_COMMAND, "--host", host, "--port", str(self.port), "--log-level", log_level]
         if model_path is not None:
             args += ["--model-path", str(model_path)]
@@ -64,7 +70,7 @@ class Runtime(Backend):
         env.pop("RADIXLM_API_KEY", None)  # the server asks for the key this object was given, or none
         if self.api_key:  # through the environment: a command line is visible to every user
             env["RADIXLM_API_KEY"] = str(self.api_key)
-        if self._relay is not None:
+        if verbose:
             env["RADIXLM_PROGRESS"] = "1"  # progress bars even though the log is not a terminal
             print(f"[radixlm] starting a server on port {self.port} (log: {self.log_path})", file=sys.stderr,
                   flush=True)
@@ -73,7 +79,10 @@ class Runtime(Backend):
             args, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
         atexit.register(self.shutdown)
         try:
+            if verbose:
+                self._relay = _ProgressRelay(self.log_path)
             self._wait_healthy(startup_timeout)
+            self._stop_relay()
             # Token ids and the chat template come from the server itself.
             self.endpoint = RuntimeEndpoint(self.url, self.api_key)
         except BaseException:
@@ -87,13 +96,9 @@ class Runtime(Backend):
             if self._proc is None or self._proc.poll() is not None:
                 code = None if self._proc is None else self._proc.returncode
                 raise RuntimeError(f"the server exited with code {code} while starting:\n{self.log_tail()}")
-            if self._relay is not None:
-                self._relay.relay(self.log_path)
             try:
                 with urllib.request.urlopen(self.url + "/health", timeout=2) as response:
                     if response.status == 200:
-                        if self._relay is not None:
-                            self._relay.relay(self.log_path)
                         return
             except OSError:
                 pass
@@ -106,8 +111,14 @@ class Runtime(Backend):
         with open(self.log_path, errors="replace") as f:
             return f.read()[-chars:]
 
+    def _stop_relay(self) -> None:
+        relay, self._relay = self._relay, None
+        if relay is not None:
+            relay.stop()
+
     def shutdown(self) -> None:
         """Stops the server (SIGTERM, then SIGKILL after a timeout). Safe to call twice."""
+        self._stop_relay()
         proc, self._proc = self._proc, None
         if proc is None:
             return
@@ -165,33 +176,56 @@ def _server_flags() -> frozenset[str]:
 
 
 class _ProgressRelay:
-    """Copies the server log's progress lines ("[radixlm] ..." and tqdm bars) to stderr."""
+    """Copies the server log's progress lines ("[radixlm] ..." and tqdm bars) to stderr as they
+    are written, from a thread (the health checks block for seconds while the server loads).
+    On a terminal a bar is redrawn in place; elsewhere only its last state is written."""
 
-    def __init__(self) -> None:
+    _POLL_S = 0.2
+
+    def __init__(self, log_path: str) -> None:
+        self._log_path = log_path
         self._offset = 0
-        self._bar_open = False
+        self._bar: str | None = None  # the open bar's latest state
+        self._to_terminal = sys.stderr.isatty()
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="radixlm-progress", daemon=True)
+        self._thread.start()
 
-    def relay(self, log_path: str) -> None:
-        with open(log_path, "rb") as f:
+    def stop(self) -> None:
+        """Relays what is left, then stops (a line written at the last moment is not lost)."""
+        self._stopped.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        while True:
+            stopping = self._stopped.wait(self._POLL_S)
+            self._relay()
+            if stopping:
+                self._end_bar()
+                return
+
+    def _relay(self) -> None:
+        with open(self._log_path, "rb") as f:
             f.seek(self._offset)
             chunk = f.read()
         end = max(chunk.rfind(b"\n"), chunk.rfind(b"\r"))
         if end < 0:
             return
         self._offset += end + 1
-        for raw in re.split(rb"(\r|\n)", chunk[:end + 1]):
+        for raw in re.split(rb"\r|\n", chunk[:end + 1]):
             line = raw.decode(errors="replace").strip()
             if line.startswith("[radixlm]"):
                 self._end_bar()
                 print(line, file=sys.stderr, flush=True)
             elif "%|" in line:  # a tqdm bar
-                print(f"\r[radixlm] {line}", end="", file=sys.stderr, flush=True)
-                self._bar_open = True
+                self._bar = f"[radixlm] {line}"
+                if self._to_terminal:
+                    print(f"\r{self._bar}", end="", file=sys.stderr, flush=True)
 
     def _end_bar(self) -> None:
-        if self._bar_open:
-            print(file=sys.stderr, flush=True)
-            self._bar_open = False
+        if self._bar is not None:
+            print("" if self._to_terminal else self._bar, file=sys.stderr, flush=True)
+            self._bar = None
 
 
 def _flag(name: str, value: Any) -> list[str]:
