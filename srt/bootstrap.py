@@ -13,7 +13,7 @@ import torch
 
 from .core.step import kv_pool_slots
 from .executor import parallel
-from .executor.device_engine import DeviceEngine
+from .executor.device_engine import DeviceEngine, kv_capacity
 from .executor.model_loader import LoadedModel, load_model
 from .executor.model_runner import ModelRunner, kv_slots_for
 from .executor.step_broadcast import Follower, StepReceiver
@@ -36,14 +36,28 @@ def bootstrap_rank(args: ServerArgs, rank: int = 0, local_rank: int = 0, dist_ad
     device = parallel.prepare_rank(args, local_rank)
     loaded = load_model(args.model_path, dtype=args.resolved_dtype(), load_format=args.load_format,
                         tokenizer_path=args.tokenizer_path, device=device, tensor_parallel=(rank, args.tp_size))
-    tp = parallel.init_tensor_parallel(args, rank, local_rank, dist_addr) if args.tp_size > 1 else parallel.current()
+    tp = parallel.init_tensor_parallel(args, rank, local_rank, dist_addr) if args.tp_size > 1 else \
+        parallel.TensorParallel()
     return Rank(device, loaded, tp)
+
+
+class _DeviceEngines:
+    """Makes rank 0's device engine, on its tensor-parallel group, for the Scheduler."""
+
+    def __init__(self, tp: parallel.TensorParallel):
+        self.tp = tp
+
+    def kv_capacity(self, config: Any, args: ServerArgs) -> int:
+        return kv_capacity(config, args, self.tp)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> DeviceEngine:
+        return DeviceEngine(*args, **kwargs, tp=self.tp)
 
 
 def build_scheduler(rank: Rank, args: ServerArgs) -> Scheduler:
     """Rank 0's scheduling policy over its device engine, once every rank holds its shard and
     KV pool."""
-    scheduler = Scheduler(rank.loaded, args, DeviceEngine)
+    scheduler = Scheduler(rank.loaded, args, _DeviceEngines(rank.tp))
     rank.tp.barrier("ready")
     return scheduler
 
@@ -58,9 +72,9 @@ def build_follower(rank: Rank, args: ServerArgs) -> Follower:
     """A follower rank's runner, with the table and KV pool shaped as rank 0's policy shapes
     its own, so that every slot and row means the same on all ranks."""
     args = args.with_device_defaults()  # as rank 0's Scheduler does: the same table rows
-    capacity = kv_slots_for(rank.loaded.config, args)
+    capacity = kv_slots_for(rank.loaded.config, args, rank.tp)
     context_len = args.context_length or rank.loaded.config.context_len
     table = np.zeros((args.max_running_requests, context_len + 1), dtype=np.int64)
-    runner = ModelRunner(rank.loaded, args, torch.from_numpy(table), kv_pool_slots(capacity, args.page_size))
+    runner = ModelRunner(rank.loaded, args, torch.from_numpy(table), kv_pool_slots(capacity, args.page_size), rank.tp)
     rank.tp.barrier("ready")
     return Follower(runner, StepReceiver(rank.tp, table, runner.device))

@@ -23,8 +23,7 @@ def split_addr(addr: str) -> tuple[str, int]:
 
 # Settings whose default depends on the device (ServerArgs.with_device_defaults). On CUDA the
 # batch cap is cuda_graph_max_bs's default: decode batches past the largest graph run eagerly,
-# and the H200's offline workload ran slower with 1024 requests at once than with 512 (README,
-# "GPU").
+# and the H200's offline workload ran slower with 1024 requests at once than with 512 (docs/gpu.md).
 DEVICE_DEFAULTS: dict[str, dict[str, int]] = {
     "cpu": {"max_running_requests": 64, "chunked_prefill_size": 2048},
     "cuda": {"max_running_requests": 512, "chunked_prefill_size": 8192},
@@ -64,6 +63,13 @@ class ServerArgs:
     disable_cascade_attention: bool = _arg(False, "decode reads a shared prefix per request, not once per group")
     cuda_graph_max_bs: int = _arg(512, "largest decode batch replayed from a graph (capped by "
                                        "max_running_requests)")
+    # Our kernel paths, each on unless turned off to measure what it gains or to rule it out.
+    disable_pdl: bool = _arg(False, "CUDA: launch our Triton kernels without programmatic dependent launch")
+    disable_fp8_gemv: bool = _arg(False, "fp8: decode-sized projections through quantize + _scaled_mm, not "
+                                         "our FP8 GEMV kernel")
+    disable_fused_fp8_quantization: bool = _arg(False, "fp8: the GEMMs' input quantized by its own kernel, not "
+                                                       "by the norm or SiLU-and-mul before it")
+    disable_fused_rotary_store: bool = _arg(False, "flashinfer: the rotation and the KV store as two kernels")
     mem_fraction_static: float = _arg(0.88, "GPU memory share for weights + KV pool (the rest: activations, "
                                             "graphs)")
     random_seed: int = _arg(0, "seed of the sampler for requests without their own")
@@ -105,6 +111,8 @@ class ServerArgs:
                                             "nnodes > 1; unset: a free local port)")
     dist_timeout: float = _arg(120.0, "seconds to wait for every rank to join, and for a collective to finish, "
                                       "before failing with the ranks that did not answer")
+    tp_all_reduce: str = _arg("nccl", "nccl | one_shot (small all-reduces through PyTorch's symmetric memory "
+                                      "over NVLink)")
 
     def __post_init__(self) -> None:
         if self.page_size < 1:
@@ -165,6 +173,8 @@ class ServerArgs:
             split_addr(self.dist_init_addr)  # raises naming the field
         if self.dist_timeout <= 0:
             raise ValueError("dist_timeout: must be > 0")
+        if self.tp_all_reduce not in ("nccl", "one_shot"):
+            raise ValueError("tp_all_reduce: must be nccl or one_shot")
 
     def _check_quantization(self) -> None:
         # SGLang's spellings that mean the same thing are accepted and normalised.

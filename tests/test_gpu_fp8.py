@@ -262,14 +262,8 @@ def test_fp8_weights_and_kv_flashinfer_graphs_match_torch_native(config_path):
 def test_norm_and_activation_hand_fp8_projections_their_input_quantized(config_path):
     """Prefill rows reach the FP8 GEMMs quantized by the norm and SiLU-and-mul themselves; the
     outputs and logprobs are exactly those of the separate quantization kernels."""
-    from radixlm.srt.executor.quantization import fp8
-
     fused = _run(config_path, quantization="fp8", attention_backend="flashinfer")
-    fp8.set_fused_quantization(False)
-    try:
-        separate = _run(config_path, quantization="fp8", attention_backend="flashinfer")
-    finally:
-        fp8.set_fused_quantization(True)
+    separate = _run(config_path, quantization="fp8", attention_backend="flashinfer", disable_fused_fp8_quantization=True)
     assert [o["output_ids"] for o in fused] == [o["output_ids"] for o in separate]
     assert [o["meta_info"]["output_token_logprobs"] for o in fused] == \
         [o["meta_info"]["output_token_logprobs"] for o in separate]
@@ -280,18 +274,15 @@ def test_rotation_and_kv_store_in_one_launch_change_no_output(config_path, kv_ca
     """The FlashInfer backend rotates q and k and stores K/V in one kernel; the outputs and
     logprobs are exactly those of the rotary kernel followed by the KV store (prefill with
     shared prefixes, and decode under CUDA graphs), over a bf16 pool and an FP8 one."""
-    from radixlm.srt.executor.attention import flashinfer_backend
-
     calls = []
     fused_store = KVPool.rotate_and_store
     monkeypatch.setattr(KVPool, "rotate_and_store", lambda self, *a: calls.append(1) or fused_store(self, *a))
     fused = _run(config_path, kv_cache_dtype=kv_cache_dtype, attention_backend="flashinfer")
     assert calls  # the fused path ran
-    flashinfer_backend.set_fused_rotary_store(False)
-    try:
-        separate = _run(config_path, kv_cache_dtype=kv_cache_dtype, attention_backend="flashinfer")
-    finally:
-        flashinfer_backend.set_fused_rotary_store(True)
+    calls.clear()
+    separate = _run(config_path, kv_cache_dtype=kv_cache_dtype, attention_backend="flashinfer",
+                    disable_fused_rotary_store=True)
+    assert not calls  # the rotary kernel, then the KV store
     assert [o["output_ids"] for o in fused] == [o["output_ids"] for o in separate]
     assert [o["meta_info"]["output_token_logprobs"] for o in fused] == \
         [o["meta_info"]["output_token_logprobs"] for o in separate]

@@ -3,8 +3,7 @@ library when that gives exactly what transformers' tokenizer would, else transfo
 
 Why: transformers imports torch, and in a fresh process loading a tokenizer through it costs ~6 s
 of CPU (~0.3 s through `tokenizers`). The detokenizer starts beside the scheduler and the server
-process, so on a 2-core machine that time came out of the server's start (2026-12-02, default
-model: 15.2-16.1 s to a 200 /health before, 12.5-13.8 s after).
+process, so on a 2-core machine that time came out of the server's start (docs/performance.md).
 
 A fast tokenizer's `decode` in transformers is the Rust tokenizer's `decode`, then the
 "clean up tokenization spaces" rewrite when the tokenizer asks for it (and transformers' version

@@ -23,6 +23,7 @@ from .batch_builder import (build_decode_batch, build_extend_batch, build_verify
 from .grammar_mask import apply_draft_grammar_masks, apply_grammar_masks
 from .logprobs import input_logprobs, output_logprobs
 from .model_runner import ModelRunner, kv_slots_for
+from .parallel import TensorParallel
 from .sampler import SeededStreams, apply_penalties, sample
 from .speculative import verify_drafts
 from .token_transfer import TokenTransfer
@@ -35,22 +36,24 @@ from .token_transfer import TokenTransfer
 VERIFY_AS_DECODE_MAX_ROWS = 256
 
 
+def kv_capacity(config, args: ServerArgs, tp: TensorParallel = TensorParallel()) -> int:
+    """Token slots the KV pool can hold (--max-total-tokens, or what the device has room for;
+    with a draft model, each slot holds both models' K/V)."""
+    if args.speculative_algorithm == "draft":
+        from .draft_model import kv_slots_with_draft
+
+        return kv_slots_with_draft(config, args, tp)
+    return kv_slots_for(config, args, tp)
+
+
 class DeviceEngine:
-    @staticmethod
-    def kv_capacity(config, args: ServerArgs) -> int:
-        """Token slots the KV pool can hold (--max-total-tokens, or what the device has room for;
-        with a draft model, each slot holds both models' K/V)."""
-        if args.speculative_algorithm == "draft":
-            from .draft_model import kv_slots_with_draft
-
-            return kv_slots_with_draft(config, args)
-        return kv_slots_for(config, args)
-
     def __init__(self, loaded, args: ServerArgs, req_to_token: np.ndarray, num_kv_slots: int, *,
-                 eos_ids: Sequence[int], grammar_backend: Callable[[], GrammarBackend]):
-        """req_to_token: the scheduler's host table, read in place (a tensor view of it)."""
+                 eos_ids: Sequence[int], grammar_backend: Callable[[], GrammarBackend],
+                 tp: TensorParallel = TensorParallel()):
+        """req_to_token: the scheduler's host table, read in place (a tensor view of it).
+        tp: this rank's tensor-parallel group (the model's shard in `loaded` is its own)."""
         self.device = torch.device(args.resolved_device())
-        self.runner = ModelRunner(loaded, args, torch.from_numpy(req_to_token), num_kv_slots)
+        self.runner = ModelRunner(loaded, args, torch.from_numpy(req_to_token), num_kv_slots, tp)
         self.draft = None  # draft-model speculation: its own KV pool, the same slots
         if args.speculative_algorithm == "draft":
             from .draft_model import DraftModel

@@ -60,20 +60,20 @@ def check_same_vocabulary(target, draft) -> None:
                              "share one")
 
 
-def kv_slots_with_draft(config, args: ServerArgs) -> int:
+def kv_slots_with_draft(config, args: ServerArgs, tp: TensorParallel) -> int:
     """KV slots when every slot holds both models' K/V: the target-only budget in bytes, less the
     draft's weights (counted twice: the loaded copy and the runner's), over both models' bytes
     per token. As the target-only figure where it is fixed (--max-total-tokens, CPU). Under
     tensor parallelism the draft is whole on rank 0, where this runs: the target's part of a
     token is the rank's (the other ranks, without a draft, have room for at least as many)."""
-    target_only = kv_slots_for(config, args)
+    target_only = kv_slots_for(config, args, tp)
     if args.max_total_tokens is not None or args.resolved_device() == "cpu":
         return target_only
     draft = load_draft_model(args, with_weights=False).config
     dtype = args.resolved_dtype()
     kv_dtype = kv_cache_torch_dtype(args.kv_cache_dtype, dtype)  # as kv_slots_for counted the target's
     per_token = [KVPool.bytes_per_token(c.num_layers, c.num_kv_heads, c.head_dim, kv_dtype)
-                 for c in (rank_config(config), draft)]
+                 for c in (rank_config(config, tp), draft)]
     budget = target_only * per_token[0] - 2 * model_bytes(draft, dtype, args.quantization)
     slots = int(budget // sum(per_token))
     if slots < 4096:

@@ -17,13 +17,16 @@ class KVPool:
     """
 
     def __init__(self, num_slots: int, num_layers: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: str | torch.device, k_scale: float = 1.0, v_scale: float = 1.0):
+                 dtype: torch.dtype, device: str | torch.device, k_scale: float = 1.0, v_scale: float = 1.0,
+                 pdl: bool = True):
         """dtype: the model dtype, or torch.float8_e4m3fn (--kv-cache-dtype fp8_e4m3): K and V are
-        then stored as k / k_scale and v / v_scale, saturated to +-448, and read back times the scale."""
+        then stored as k / k_scale and v / v_scale, saturated to +-448, and read back times the scale.
+        pdl: our kernels that store and read the pool launch with PDL where the GPU has it."""
         shape = (num_kv_heads, num_slots, head_dim)
         self.dtype = dtype
         self.is_fp8 = dtype == FP8_KV_DTYPE
         self.k_scale, self.v_scale = float(k_scale), float(v_scale)
+        self.pdl = pdl
         self.k_buffers = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v_buffers = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         # On CUDA one Triton launch stores K and V from their strided views (no transpose copies).
@@ -38,7 +41,7 @@ class KVPool:
         if self._triton_store and k.dtype == dtype and v.dtype == dtype:
             from .models.triton_ops import store_kv
 
-            store_kv(self.k_buffers[layer_id], self.v_buffers[layer_id], slots, k, v)
+            store_kv(self.k_buffers[layer_id], self.v_buffers[layer_id], slots, k, v, pdl=self.pdl)
             return
         # index_copy_ is much faster than advanced-index assignment on CPU.
         self.k_buffers[layer_id].index_copy_(1, slots, k.transpose(0, 1).to(dtype))
@@ -49,7 +52,7 @@ class KVPool:
         if self._triton_store:  # quantize and scatter in one launch
             from .quantization.fp8_triton import store_kv_fp8
 
-            store_kv_fp8(k_buf, v_buf, slots, k, v, self.k_scale, self.v_scale)
+            store_kv_fp8(k_buf, v_buf, slots, k, v, self.k_scale, self.v_scale, pdl=self.pdl)
             return
         # Byte views: index_copy_ has no float8 kernel on CPU.
         k_buf.view(torch.uint8).index_copy_(1, slots, to_fp8(k, self.k_scale).transpose(0, 1).view(torch.uint8))
@@ -68,7 +71,7 @@ class KVPool:
         from .models.triton_ops import rotary_store_kv
 
         rotary_store_kv(positions, q, k, v, cos_cache, sin_cache, self.k_buffers[layer_id], self.v_buffers[layer_id],
-                        slots, self.k_scale, self.v_scale)
+                        slots, self.k_scale, self.v_scale, pdl=self.pdl)
 
     @staticmethod
     def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 import time
@@ -15,6 +14,7 @@ from . import parallel
 from .attention.base import AttentionBackend
 from .attention.layer_spec import check_backend_supports, layer_specs
 from .forward_batch import ForwardBatch
+from .kernel_options import KernelOptions
 from .mem_pool import KVPool, kv_cache_torch_dtype
 from .models.ops import select_ops
 from .models.registry import model_class
@@ -27,31 +27,14 @@ logger = logging.getLogger(__name__)
 CPU_DEFAULT_KV_TOKENS = 32768
 
 
-@contextlib.contextmanager
-def _without_random_init():
-    """nn.Linear and nn.Embedding fill their new weights at random, and load_weights then
-    overwrites every element (checkpoint.load_into checks that each is written): skip the fill,
-    0.8 s of a CPU server's start for the 135M default model. The fills are torch.nn.init's,
-    replaced process-wide while the model is built."""
-    names = ("kaiming_uniform_", "uniform_", "normal_")
-    saved = {name: getattr(torch.nn.init, name) for name in names}
-    for name in names:
-        setattr(torch.nn.init, name, lambda tensor, *args, **kwargs: tensor)
-    try:
-        yield
-    finally:
-        for name, fill in saved.items():
-            setattr(torch.nn.init, name, fill)
-
-
 class ModelRunner:
     def __init__(self, loaded, args: ServerArgs, req_to_token: torch.Tensor, num_kv_slots: int,
-                 tp: parallel.TensorParallel | None = None):
-        """Under tensor parallelism (`parallel.current()`, or `tp`), `loaded` holds this rank's
-        shard and rank 0 sends every batch to the other ranks before running it
-        (step_broadcast.py). tp=TensorParallel(): a whole model on this rank alone (a draft)."""
+                 tp: parallel.TensorParallel = parallel.TensorParallel()):
+        """Under tensor parallelism (`tp` of several ranks), `loaded` holds this rank's shard
+        and rank 0 sends every batch to the other ranks before running it (step_broadcast.py);
+        one rank of one (the default) runs a whole model alone."""
         self.args = args
-        self.tp = parallel.current() if tp is None else tp
+        self.tp = tp
         self.device = torch.device(args.resolved_device())
         if self.device.type == "cuda":  # a rank's own GPU (parallel.py set it)
             self.device = torch.device("cuda", torch.cuda.current_device())
@@ -60,13 +43,14 @@ class ModelRunner:
         start = time.perf_counter()
         torch.manual_seed(args.random_seed)
         cfg = self.config
-        self.ops = select_ops(self.device, cfg.head_dim)
+        self.kernels = KernelOptions.from_args(args)
+        self.ops = select_ops(self.device, cfg.head_dim, self.kernels.pdl)
         # Parameters are made in the serving dtype on the device: an fp32 copy first would need
         # twice the memory (Mixtral-8x7B: 187 GB) before the cast.
         previous_dtype = torch.get_default_dtype()
         torch.set_default_dtype(self.dtype)
         try:
-            with torch.device(self.device), _without_random_init():
+            with torch.device(self.device):
                 self.model = model_class(cfg)(cfg, loaded.hf_config, self.ops, shard=loaded.shard, tp=self.tp)
         finally:
             torch.set_default_dtype(previous_dtype)
@@ -74,10 +58,11 @@ class ModelRunner:
         # .to(device) too: rotary tables are built on the host (fp64 math) whatever the device.
         self.model.to(device=self.device, dtype=self.dtype).eval()
         # --quantization fp8, or an FP8 checkpoint: projections in FP8
-        apply_quantization(self.model, args, self.device, loaded.fp8_scales)
+        apply_quantization(self.model, args.quantization, self.device, loaded.fp8_scales, self.kernels)
         local = self.model.config  # this rank's heads under tensor parallelism
         kv_dtype = kv_cache_torch_dtype(args.kv_cache_dtype, self.dtype)  # --kv-cache-dtype fp8_e4m3: FP8
-        self.kv_pool = KVPool(num_kv_slots, cfg.num_layers, local.num_kv_heads, cfg.head_dim, kv_dtype, self.device)
+        self.kv_pool = KVPool(num_kv_slots, cfg.num_layers, local.num_kv_heads, cfg.head_dim, kv_dtype, self.device,
+                              pdl=self.kernels.pdl)
         self.attention_backend_name = resolve_attention_backend(args.attention_backend, self.device, self.dtype)
         self.attn_backend = self._make_backend(req_to_token)
         self.graph_runner = self._make_graph_runner(req_to_token)
@@ -106,7 +91,8 @@ class ModelRunner:
         check_backend_supports(FlashInferBackend, layers, cfg.architecture)
         local = self.model.config
         return FlashInferBackend(self.kv_pool, req_to_token, self.args.page_size, local.num_heads, local.num_kv_heads,
-                                 cfg.head_dim, cfg.attention_scale, self.dtype, cascade=cascade, layers=layers)
+                                 cfg.head_dim, cfg.attention_scale, self.dtype, cascade=cascade, layers=layers,
+                                 fused_rotary_store=self.kernels.fused_rotary_store)
 
     def _make_graph_runner(self, req_to_token: torch.Tensor):
         # The backend says whether it can be captured (torch_native cannot); no name checks here.
@@ -157,7 +143,7 @@ def resolve_attention_backend(name: str, device: torch.device, dtype: torch.dtyp
     return "flashinfer"
 
 
-def kv_slots_for(config: ModelConfig, args: ServerArgs) -> int:
+def kv_slots_for(config: ModelConfig, args: ServerArgs, tp: parallel.TensorParallel = parallel.TensorParallel()) -> int:
     """The KV budget in tokens: --max-total-tokens, or a default sized for the device."""
     if args.max_total_tokens is not None:
         if args.max_total_tokens < 1:
@@ -165,12 +151,11 @@ def kv_slots_for(config: ModelConfig, args: ServerArgs) -> int:
         return args.max_total_tokens
     if args.resolved_device() == "cpu":
         return CPU_DEFAULT_KV_TOKENS
-    tp = parallel.current()
     dtype = args.resolved_dtype()
     free, total = torch.cuda.mem_get_info()
     # This rank's part of the weights and of each token's KV; every rank then takes the
     # smallest count, so slot numbers mean the same on all.
-    local = rank_config(config)
+    local = rank_config(config, tp)
     # Called before the runner builds its copy of the weights (the loaded ones are freed after).
     budget = free - (1.0 - args.mem_fraction_static) * total - model_bytes(local, dtype, args.quantization)
     bytes_per_token = KVPool.bytes_per_token(local.num_layers, local.num_kv_heads, local.head_dim,
@@ -181,9 +166,8 @@ def kv_slots_for(config: ModelConfig, args: ServerArgs) -> int:
     return tp.min_on_host(int(budget // bytes_per_token))
 
 
-def rank_config(config: ModelConfig) -> ModelConfig:
+def rank_config(config: ModelConfig, tp: parallel.TensorParallel) -> ModelConfig:
     """This tensor-parallel rank's part of the model (its heads, MLP columns): `config` on one rank."""
-    tp = parallel.current()
     return ShardPlan.for_rank(config, tp.rank, tp.size).local_config(config) if tp.enabled else config
 
 

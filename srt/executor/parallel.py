@@ -6,8 +6,8 @@ did not come; then they form the process group. Besides the device group (the mo
 all-reduces and all-gathers) there is a gloo group on the host for barriers that name a
 missing rank, and for agreeing on host-side values.
 
-The process's group is set once (`init_tensor_parallel`) and read by the model runner
-(`current()`): torch.distributed itself is per process.
+`init_tensor_parallel` returns the rank's `TensorParallel`, which the caller hands to the model
+runner and the model; one rank of one (`TensorParallel()`) is the default everywhere.
 """
 
 from __future__ import annotations
@@ -35,6 +35,9 @@ class TensorParallel:
     group: Any = None  # the device group (None: the default group)
     cpu_group: Any = None  # gloo, on the host
     timeout_s: float = 120.0
+    # --tp-all-reduce one_shot: small all-reduces through PyTorch's symmetric memory (each rank
+    # reads the others' buffers over NVLink; no multicast), staged in this registered buffer.
+    one_shot_buffer: Any = None
 
     @property
     def enabled(self) -> bool:
@@ -44,7 +47,7 @@ class TensorParallel:
         """Sums `x` over the ranks in place (row-parallel outputs). Capturable in CUDA graphs."""
         if self.size == 1:
             return x
-        fast = _ONE_SHOT.get(x.device)
+        fast = self.one_shot_buffer
         if fast is not None and x.numel() <= fast.numel() and x.dtype == fast.dtype and x.is_contiguous():
             return fast_all_reduce(x, fast, self.group)
         dist.all_reduce(x, group=self.group)
@@ -81,15 +84,11 @@ class TensorParallel:
                                f"{self.timeout_s:.0f}s (dist_timeout): {e}") from None
 
 
-_CURRENT = TensorParallel()
-# RADIXLM_TP_ALLREDUCE=one_shot: small all-reduces through PyTorch's symmetric memory (each rank
-# reads the others' buffers over NVLink; no multicast), per device its registered buffer.
-_ONE_SHOT: dict[torch.device, torch.Tensor] = {}
 ONE_SHOT_MAX_BYTES = 1 << 20
 
 
-def enable_one_shot_all_reduce(device: torch.device, dtype: torch.dtype) -> bool:
-    """Registers a symmetric-memory buffer for small all-reduces; False where it cannot be used."""
+def one_shot_all_reduce_buffer(device: torch.device, dtype: torch.dtype) -> torch.Tensor | None:
+    """A registered symmetric-memory buffer for small all-reduces; None where it cannot be used."""
     try:
         import torch.distributed._symmetric_memory as symm_mem
 
@@ -97,9 +96,8 @@ def enable_one_shot_all_reduce(device: torch.device, dtype: torch.dtype) -> bool
         symm_mem.rendezvous(buf, dist.group.WORLD.group_name)
     except Exception as e:  # noqa: BLE001 - an optional fast path
         logger.warning("one-shot all-reduce unavailable (%s: %s); using NCCL", type(e).__name__, e)
-        return False
-    _ONE_SHOT[device] = buf
-    return True
+        return None
+    return buf
 
 
 def fast_all_reduce(x: torch.Tensor, buf: torch.Tensor, group: Any) -> torch.Tensor:
@@ -110,11 +108,6 @@ def fast_all_reduce(x: torch.Tensor, buf: torch.Tensor, group: Any) -> torch.Ten
     return x
 
 
-def current() -> TensorParallel:
-    """This process's tensor-parallel group (one rank of one when none was set up)."""
-    return _CURRENT
-
-
 _DESTROY_TIMEOUT_S = 10.0
 
 
@@ -122,7 +115,6 @@ def shutdown() -> None:
     """Leaves the process group; every rank calls it when rank 0 stops them (an Engine shutting
     down; a new one may form another group). NCCL's teardown can wait on a peer that is gone, so
     it gets a bounded wait in a thread, and a warning instead of a hang."""
-    global _CURRENT
     if dist.is_initialized():
         done = threading.Event()
 
@@ -134,8 +126,6 @@ def shutdown() -> None:
         if not done.wait(_DESTROY_TIMEOUT_S):
             logger.warning("tensor parallel: the process group did not tear down within %.0fs; left as it is",
                            _DESTROY_TIMEOUT_S)
-    _CURRENT = TensorParallel()
-    _ONE_SHOT.clear()
 
 
 def rank_device(args: Any, local_rank: int) -> str:
@@ -174,7 +164,6 @@ def init_tensor_parallel(args: Any, rank: int, local_rank: int, init_addr: str) 
     """Joins the rendezvous at `init_addr` (host:port) as `rank` of `args.tp_size` and sets up
     this process's groups (after `prepare_rank`). Raises, naming the ranks that did not join,
     after `dist_timeout`."""
-    global _CURRENT
     size, timeout = args.tp_size, float(args.dist_timeout)
     host, port = split_addr(init_addr)
     device = rank_device(args, local_rank)
@@ -185,11 +174,11 @@ def init_tensor_parallel(args: Any, rank: int, local_rank: int, init_addr: str) 
                             timeout=datetime.timedelta(seconds=timeout), **kwargs)
     cpu_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout)) \
         if backend == "nccl" else dist.group.WORLD
-    _CURRENT = TensorParallel(rank, size, dist.group.WORLD, cpu_group, timeout)
-    if backend == "nccl" and os.environ.get("RADIXLM_TP_ALLREDUCE") == "one_shot":
-        enable_one_shot_all_reduce(torch.device(device), args.resolved_dtype())
+    one_shot = None
+    if backend == "nccl" and args.tp_all_reduce == "one_shot":
+        one_shot = one_shot_all_reduce_buffer(torch.device(device), args.resolved_dtype())
     logger.info("tensor parallel rank %d of %d on %s (%s)", rank, size, device, backend)
-    return _CURRENT
+    return TensorParallel(rank, size, dist.group.WORLD, cpu_group, timeout, one_shot)
 
 
 def _rendezvous(host: str, port: int, rank: int, size: int, timeout: float) -> dist.TCPStore:

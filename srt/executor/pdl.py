@@ -11,26 +11,18 @@ visible.
 The rule for a kernel launched with `launch_pdl=pdl_enabled(...)`: before `wait` it may read
 only constant data and may write nothing. A kernel launched without PDL (torch's, cuBLAS's)
 after one of ours waits for it as usual, so mixing them is safe.
+
+Whether to use it is the engine's KernelOptions.pdl (on unless --disable-pdl, for comparing or
+for ruling it out when chasing a race), handed to each kernel's wrapper as `pdl`.
 """
 
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import triton
 import triton.language as tl
-
-
-_turned_off = os.environ.get("RADIXLM_PDL", "1") == "0"
-
-
-def set_enabled(enabled: bool) -> None:
-    """Turns PDL on or off for kernels launched (or captured into CUDA graphs) from now on:
-    benchmarks measure the step both ways in one run."""
-    global _turned_off
-    _turned_off = not enabled
 
 
 @functools.lru_cache(maxsize=None)
@@ -38,10 +30,10 @@ def _device_supports_pdl(device_index: int) -> bool:
     return torch.cuda.get_device_capability(device_index)[0] >= 9
 
 
-def pdl_enabled(t: torch.Tensor) -> bool:
-    """Whether kernels working on `t` launch with PDL: CUDA compute capability 9.0 or later,
-    unless RADIXLM_PDL=0 (to compare, or to rule it out when chasing a race)."""
-    if _turned_off or not t.is_cuda:
+def pdl_enabled(t: torch.Tensor, requested: bool = True) -> bool:
+    """Whether kernels working on `t` launch with PDL: when `requested`, on CUDA compute
+    capability 9.0 or later."""
+    if not requested or not t.is_cuda:
         return False
     return _device_supports_pdl(t.device.index if t.device.index is not None else torch.cuda.current_device())
 

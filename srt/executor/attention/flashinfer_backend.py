@@ -58,15 +58,6 @@ CASCADE_GRAPH_MIN_SAVED_BYTES = 1 << 30
 CASCADE_EAGER_MIN_SAVED_BYTES = 32 << 20
 
 
-_fuse_rotary_store = True
-
-
-def set_fused_rotary_store(enabled: bool) -> None:
-    """Turns the one-launch rotation and KV store on or off (benchmarks compare)."""
-    global _fuse_rotary_store
-    _fuse_rotary_store = enabled
-
-
 class FlashInferBackend(FlashInferGraphs, AttentionBackend):
     """Sliding windows and soft-capping: FlashInfer takes both at plan time (`window_left`,
     `logits_soft_cap`), so each distinct window has its own prefill and decode wrapper (and its
@@ -78,15 +69,17 @@ class FlashInferBackend(FlashInferGraphs, AttentionBackend):
 
     def __init__(self, kv_pool: KVPool, req_to_token: torch.Tensor, page_size: int, num_heads: int,
                  num_kv_heads: int, head_dim: int, scale: float, dtype: torch.dtype, cascade: bool = True,
-                 layers: Sequence[LayerAttention] | None = None):
+                 layers: Sequence[LayerAttention] | None = None, fused_rotary_store: bool = True):
         """cascade: False keeps every decode step plain (--disable-cascade-attention).
-        layers: each layer's window and soft-cap (plain causal attention everywhere when None)."""
+        layers: each layer's window and soft-cap (plain causal attention everywhere when None).
+        fused_rotary_store: the rotation and the KV store in one launch where they apply."""
         import flashinfer
 
         self._flashinfer = flashinfer
         self.kernels = _BACKEND  # FlashInfer's kernel family for every wrapper, graph ones too
         self.kv_pool = kv_pool
         self.req_to_token = req_to_token
+        self.fused_rotary_store = fused_rotary_store
         self.page_size = page_size
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale = scale
@@ -281,7 +274,7 @@ class FlashInferBackend(FlashInferGraphs, AttentionBackend):
     def forward_with_rotary(self, q, k, v, layer_id, positions, rotary, ops):
         """The rotation and the KV store in one Triton launch where they apply (a full-width
         rotate-half rotary with the Triton ops): one short kernel less per layer."""
-        if (not _fuse_rotary_store or ops.name != "triton" or rotary.rotary_dim
+        if (not self.fused_rotary_store or ops.name != "triton" or rotary.rotary_dim
                 or not self.kv_pool.fuses_rotary(q, k, v)):
             return super().forward_with_rotary(q, k, v, layer_id, positions, rotary, ops)
         self.kv_pool.rotate_and_store(layer_id, self._out_cache_loc, positions, q, k, v, rotary.cos_cache,

@@ -1,15 +1,10 @@
 """Paged decode attention in Triton, for the FlashInfer backend's plain decode steps (bf16, fp16
 or FP8 e4m3 pools).
 
-Why not FlashInfer's decode kernel: on the H200 with Llama-3.1-8B heads, pages of 1, 32 layers
-from a CUDA graph (benchmarks/bench_gpu_decode_attention.py --triton-sweep, 2026-12-01), with
-decode_tiles' tiles this kernel takes 5.7-8.2 us a layer at batch 1 (FlashInfer 9.6-12.1),
-20.5 at batch 64 x 256 tokens (32.2) and 483.4 at 256 x 2048 (507.1; 4.4 TB/s); over an FP8
-pool, which FlashInfer 0.6.11 reads no faster than bf16 (477.2 us at 256 x 2048), it takes
-258.1 (4.2 TB/s, 2026-12-02; 289.3 before V's pairs were widened by PTX, 340.6 before V was read
-in pairs, paged_decode) and 16.6 at batch 8 x 2048 (FlashInfer 25.1). Decode attention only has
-to stream each request's K and V once: the kernel reads the pool's bytes, widens FP8 in
-registers and runs the two small products on tensor cores.
+Why not FlashInfer's decode kernel: decode attention only has to stream each request's K and V
+once, and FlashInfer's decode reads an FP8 pool no faster than a bf16 one. This kernel reads the
+pool's bytes, widens FP8 in registers and runs the two small products on tensor cores; it is
+faster at every batch size measured on the H200 (docs/gpu.md, "Decode attention").
 
 One program per (request, KV head, split of the sequence): the KV head's whole query group
 (padded to 16 rows, the dot's smallest tile) attends to its split with an online softmax. With
@@ -17,18 +12,8 @@ more than one split, each writes its normalized output and log-sum-exp, and a se
 merges them (flash-decoding). The split count is fixed per batch size (a CUDA graph needs a
 fixed grid); each request cuts its own length into that many pieces at run time.
 
-Tried and removed (H200, 2026-12-01, 32 layers from a CUDA graph, PDL on): merging the splits in
-the decode kernel itself, by the last split of each (request, KV head) to finish (an arrival
-counter, acq_rel atomic, .cg loads). At batch 1 (32 splits) it took 17.2 us a layer against
-6.8 with the merge kernel (bf16, 256 tokens; FP8 20.0 against 5.4), and batch-1 FP8 decode went
-from 2.72 to 3.07 ms/token; at batch 8 it won on FP8 (8.6 against 11.4 us) and lost on bf16
-(12.3 against 10.7). The merge kernel stays. Token offsets in 32 bits instead of 64 (fewer
-address registers: ncu counts 253 a thread for the FP8 tiles, so 2 programs an SM) were no
-faster either: 341.9 against 337.2 us at 256 x 2048 FP8, 87.4 against 86.2 at 64 x 2048. Nor
-was cutting the head dimension into four slices, each with its own products and accumulator,
-which took the FP8 tiles from 253 to 96 registers a thread: 422 against 359 us at 256 x 2048
-FP8, 578 against 499 on bf16 (occupancy was not what held the kernel back; the byte-wise reads
-of V were, see paged_decode).
+Variants that were measured and did not pay (merging the splits in this kernel, 32-bit token
+offsets, head-dimension slices) are in docs/experiments.md.
 
 Pages: request b's pages are indices[indptr[b]:indptr[b + 1]], its last page holds
 last_page_len[b] tokens; token t of page p lives at slot p * page_size + t of the head-major
@@ -138,11 +123,8 @@ def _e4m3_pair_half_to_fp16(pairs, HIGH: tl.constexpr, PTX: tl.constexpr):
 
     With PTX (compiled for a GPU; the interpreter takes the casts): two words at a time, one
     byte permute gathers their low (high) bytes and one cvt widens both. Written as shifts, masks
-    and casts, ptxas spent ~8 integer instructions per register moving bytes before each cvt: the
-    sm_90 loop of the 128-token FP8 tile had 902 instructions a warp, now 678. On the H200 (32
-    layers from a CUDA graph, same outputs bit for bit) that took batch 384 x 1024 tokens from
-    210.2 / 211.1 to 200.4 / 200.6 us a layer and 512 x 1024 from 278-279 to 266-275; batch 8
-    and 64 x 2048 were within their noise (2026-12-02)."""
+    and casts, ptxas spent ~8 integer instructions per register moving bytes before each cvt
+    (a quarter of the FP8 tile's loop; docs/gpu.md, "FP8 V read in pairs")."""
     if PTX:
         if HIGH:
             return tl.inline_asm_elementwise(
@@ -196,7 +178,8 @@ class DecodeTables(NamedTuple):
     def attend(self, q: torch.Tensor, kv_pool, layer_id: int, page_size: int, sm_scale: float) -> torch.Tensor:
         """q [B, Hq, D] against layer `layer_id` of the KVPool, with its K/V scales (1 unless FP8)."""
         return paged_decode(q, kv_pool.k_buffers[layer_id], kv_pool.v_buffers[layer_id], self.indptr, self.indices,
-                            self.last_page_len, page_size, sm_scale, kv_pool.k_scale, kv_pool.v_scale, self.splits)
+                            self.last_page_len, page_size, sm_scale, kv_pool.k_scale, kv_pool.v_scale, self.splits,
+                            pdl=kv_pool.pdl)
 
 
 def decode_num_splits(batch_size: int, num_kv_heads: int, sm_count: int) -> int:
@@ -236,13 +219,9 @@ class DecodeTiles(NamedTuple):
 
 
 def decode_tiles(pool_dtype: torch.dtype, batch_size: int) -> DecodeTiles:
-    """The tiles for a pool dtype and batch size, from H200 sweeps (bench_gpu_decode_attention.py
-    --triton-sweep; batch 1, 8, 64, 256 x 256 and 2048 tokens; benchmarks/results/gpu_h200.jsonl).
-    bf16 (2026-12-01, 12 tiles x 3 split counts): each choice within 7% of the best at its sizes.
-    FP8, V read in pairs (2026-12-01, 8 tiles): 128-token tiles, 3 stages, the best or within 2%
-    at batch 8 x 2048, 64 and 256 (batch 8 x 256: 10.1 us against 8.6); at batch 1 the byte reads
-    with 32-token tiles are faster (5.5 / 8.1 us against the pairs' best 5.7 / 9.2 at 256 / 2048
-    tokens)."""
+    """The tiles for a pool dtype and batch size, from H200 sweeps (benchmarks/bench_gpu_decode_attention.py
+    --triton-sweep; docs/gpu.md, "Decode attention"): FP8 pools read V in pairs with 128-token
+    tiles, except at batch 1, where byte reads of 32-token tiles are faster."""
     if pool_dtype == torch.float8_e4m3fn:
         return DecodeTiles(32, 4, 3) if batch_size == 1 else DecodeTiles(128, 4, 3, v_pairs=True)
     return DecodeTiles(64, 4, 2) if batch_size < 64 else DecodeTiles(64, 4, 3)
@@ -251,7 +230,7 @@ def decode_tiles(pool_dtype: torch.dtype, batch_size: int) -> DecodeTiles:
 def paged_decode(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, indptr: torch.Tensor,
                  indices: torch.Tensor, last_page_len: torch.Tensor, page_size: int, sm_scale: float,
                  k_scale: float = 1.0, v_scale: float = 1.0, splits: int | None = None,
-                 tiles: DecodeTiles | None = None) -> torch.Tensor:
+                 tiles: DecodeTiles | None = None, pdl: bool = True) -> torch.Tensor:
     """q [B, Hq, D] (bf16/fp16) against the pool k_buf, v_buf [Hkv, slots, D] -> [B, Hq, D]; the
     pool in q's dtype or FP8 e4m3 with its K and V scales. tiles: decode_tiles' when None.
 
@@ -267,8 +246,7 @@ def paged_decode(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, indp
     P.V product as its B operand with the reduced dimension (tokens) across rows, so Triton stages
     it for 8-byte copies and gathers it from shared memory one byte at a time (128 ld.shared.b8 a
     thread per 128-token tile); as 16-bit words it is copied 16 bytes at a time and transposed by
-    ldmatrix. On the H200 that took batch 256 x 2048 from ~340 to 289 us a layer (repeats 281-321)
-    and batch 8 x 2048 from 25.0 to 16.3 (decode_tiles). Each word is then split and widened by
+    ldmatrix (faster at every batch but 1: decode_tiles). Each word is then split and widened by
     _e4m3_pair_half_to_fp16."""
     if q.stride(-1) != 1:
         q = q.contiguous()
@@ -293,7 +271,7 @@ def paged_decode(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, indp
         part_lse = torch.empty((batch, splits, num_q_heads), dtype=torch.float32, device=q.device)
     else:
         part_out = part_lse = out  # unused
-    pdl = pdl_enabled(q)
+    pdl = pdl_enabled(q, pdl)
     _decode_kernel[(batch, num_kv_heads, splits)](
         q, k_buf, v_buf, indptr, indices, last_page_len, out, part_out, part_lse, q.stride(0), q.stride(1),
         k_buf.stride(0), v_buf.stride(0), out.stride(0), out.stride(1), sm_scale * k_scale * _LOG2E, v_scale,

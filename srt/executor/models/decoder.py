@@ -18,15 +18,15 @@ from ..attention.base import AttentionBackend
 from ..parallel import TensorParallel
 from . import checkpoint
 from .family import Family
-from .layers import SINGLE, Attention, GatedMLP, RMSNorm
+from .layers import SINGLE, Attention, Embedding, GatedMLP, Linear, RMSNorm
 from .moe import SparseMoE
-from .ops import TorchOps
+from .ops import TORCH_OPS, TorchOps
 from .rotary import RotaryEmbedding
 from .sharding import ShardPlan
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_id: int, family: Family, ops: type[TorchOps] = TorchOps,
+    def __init__(self, config: ModelConfig, layer_id: int, family: Family, ops: TorchOps = TORCH_OPS,
                  tp: TensorParallel = SINGLE):
         super().__init__()
         offset = family.norm_offset
@@ -75,7 +75,7 @@ class CausalLM(nn.Module):
 
     family = Family("llama")
 
-    def __init__(self, config: ModelConfig, hf_config: Any = None, ops: type[TorchOps] = TorchOps,
+    def __init__(self, config: ModelConfig, hf_config: Any = None, ops: TorchOps = TORCH_OPS,
                  shard: ShardPlan | None = None, tp: TensorParallel = SINGLE):
         super().__init__()
         self.tp = tp
@@ -86,12 +86,12 @@ class CausalLM(nn.Module):
             config = shard.local_config(config)
         self.config = config
         family = self.family
-        self.embed_tokens = nn.Embedding(vocab_rows, config.hidden_size)
+        self.embed_tokens = Embedding(vocab_rows, config.hidden_size)
         # transformers multiplies by sqrt(hidden) cast to the weights' dtype (55.4256 -> 55.5 in bf16).
         self.embed_scale = config.hidden_size ** 0.5 if family.scale_embeddings else None
         self.layers = nn.ModuleList(DecoderLayer(config, i, family, ops, tp) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops, family.norm_offset)
-        self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, vocab_rows, bias=False)
+        self.lm_head = None if config.tie_word_embeddings else Linear(config.hidden_size, vocab_rows, bias=False)
         self.rotaries, self.rotary_of_layer = self._make_rotaries(config, hf_config)
 
     def _make_rotaries(self, config: ModelConfig, hf_config: Any) -> tuple[nn.ModuleList, list[int]]:

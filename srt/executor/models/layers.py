@@ -12,14 +12,36 @@ from torch import nn
 from ...configs import ModelConfig
 from ..attention.base import AttentionBackend
 from ..parallel import TensorParallel
-from .ops import TorchOps
+from .ops import TORCH_OPS, TorchOps
 from .rotary import RotaryEmbedding
 
 SINGLE = TensorParallel()
 
 
+class Linear(nn.Linear):
+    """nn.Linear without its random fill: load_weights overwrites every element
+    (checkpoint.load_into checks that each is written), and the fill cost 0.8 s of a CPU
+    server's start for the 135M default model."""
+
+    def reset_parameters(self) -> None:
+        pass
+
+
+def is_plain_linear(module: nn.Module) -> bool:
+    """Whether `module` is a linear projection whose forward is nn.Linear's (a subclass may do
+    more in forward, e.g. a collective, which a replacement would drop)."""
+    return type(module) in (nn.Linear, Linear)
+
+
+class Embedding(nn.Embedding):
+    """nn.Embedding without its random fill (see Linear)."""
+
+    def reset_parameters(self) -> None:
+        pass
+
+
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float, ops: type[TorchOps] = TorchOps, offset: float = 0.0):
+    def __init__(self, dim: int, eps: float, ops: TorchOps = TORCH_OPS, offset: float = 0.0):
         """offset: 1.0 for Gemma, whose checkpoints store w and scale by (1 + w), computed in fp32
         as transformers does (adding 1 to a bf16 weight first would round it)."""
         super().__init__()
@@ -58,7 +80,7 @@ class Attention(nn.Module):
     """`config` holds this rank's heads (sharding.py); o_proj is row parallel: its partial sums
     are added over the ranks."""
 
-    def __init__(self, config: ModelConfig, layer_id: int, ops: type[TorchOps] = TorchOps, norm_offset: float = 0.0,
+    def __init__(self, config: ModelConfig, layer_id: int, ops: TorchOps = TORCH_OPS, norm_offset: float = 0.0,
                  tp: TensorParallel = SINGLE):
         super().__init__()
         self.ops = ops
@@ -69,8 +91,8 @@ class Attention(nn.Module):
         self.head_dim = config.head_dim
         self.q_size = config.num_heads * config.head_dim
         self.kv_size = config.num_kv_heads * config.head_dim
-        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_proj_bias)
+        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
+        self.o_proj = Linear(self.q_size, config.hidden_size, bias=config.o_proj_bias)
         self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps, offset=norm_offset) if config.qk_norm else None
         self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps, offset=norm_offset) if config.qk_norm else None
 
@@ -92,14 +114,14 @@ class GatedMLP(nn.Module):
     """down(act(gate(x)) * up(x)), with gate and up as one projection (gate rows first).
     Under tensor parallelism `intermediate_size` is this rank's columns; down is row parallel."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, hidden_act: str, ops: type[TorchOps] = TorchOps,
+    def __init__(self, hidden_size: int, intermediate_size: int, hidden_act: str, ops: TorchOps = TORCH_OPS,
                  tp: TensorParallel = SINGLE):
         super().__init__()
         self.ops = ops
         self.tp = tp
         self.hidden_act = hidden_act
-        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, bias=False)
+        self.down_proj = Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
         """The MLP from its gate|up projection on: the caller runs gate_up_proj (after its norm,
@@ -112,7 +134,7 @@ class GatedMLP(nn.Module):
         return self.tp.all_reduce(out)
 
 
-def act_and_mul(gate_up: torch.Tensor, hidden_act: str, ops: type[TorchOps] = TorchOps) -> torch.Tensor:
+def act_and_mul(gate_up: torch.Tensor, hidden_act: str, ops: TorchOps = TORCH_OPS) -> torch.Tensor:
     """act(gate) * up for [..., 2 * I] rows holding gate then up."""
     if hidden_act == "silu":
         return ops.silu_and_mul(gate_up)

@@ -14,8 +14,8 @@ import torch
 from torch import nn
 
 from ..parallel import TensorParallel
-from .layers import SINGLE, act_and_mul
-from .ops import TorchOps
+from .layers import SINGLE, Linear, act_and_mul
+from .ops import TORCH_OPS, TorchOps
 
 logger = logging.getLogger(__name__)
 
@@ -63,21 +63,22 @@ class SparseMoE(nn.Module):
     intermediate columns; the partial outputs are added over the ranks."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int, renormalize: bool,
-                 hidden_act: str = "silu", ops: type[TorchOps] = TorchOps, tp: TensorParallel = SINGLE):
+                 hidden_act: str = "silu", ops: TorchOps = TORCH_OPS, tp: TensorParallel = SINGLE):
         super().__init__()
         self.tp = tp
         self.top_k = top_k
         self.renormalize = renormalize
         self.hidden_act = hidden_act
-        self.gate = nn.Linear(hidden_size, num_experts, bias=False)
+        self.gate = Linear(hidden_size, num_experts, bias=False)
         self.w13 = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
         self.use_triton = ops.name == "triton" and hidden_act == "silu"
+        self.pdl = ops.pdl
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = route(self.gate(x), self.top_k, self.renormalize)
         if self.use_triton and x.is_cuda:
             from .moe_triton import fused_moe
 
-            return self.tp.all_reduce(fused_moe(x, self.w13, self.w2, weights, ids))
+            return self.tp.all_reduce(fused_moe(x, self.w13, self.w2, weights, ids, pdl=self.pdl))
         return self.tp.all_reduce(expert_forward(x, self.w13, self.w2, weights, ids, self.hidden_act))

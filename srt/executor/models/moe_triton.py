@@ -99,7 +99,7 @@ def _grouped_gemm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, pairs: to
 
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
-              ids: torch.Tensor) -> torch.Tensor:
+              ids: torch.Tensor, pdl: bool = True) -> torch.Tensor:
     """x [T, H]; w13 [E, 2I, H]; w2 [E, H, I]; weights [T, k] float32; ids [T, k] -> [T, H]."""
     from . import triton_ops
 
@@ -111,7 +111,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: tor
     x = x.contiguous()
     gate_up = torch.empty(num_pairs, two_inter, dtype=x.dtype, device=x.device)
     _grouped_gemm(x, w13, gate_up, pairs, tile_expert, None, top_k, config)
-    act = triton_ops.silu_and_mul(gate_up)
+    act = triton_ops.silu_and_mul(gate_up, pdl=pdl)
     down = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
     _grouped_gemm(act, w2, down, pairs, tile_expert, weights.reshape(-1).contiguous().float(), 1, config)
     return down.view(num_tokens, top_k, hidden).sum(dim=1)

@@ -13,6 +13,7 @@ logger = logging.getLogger(__name__)
 
 class TorchOps:
     name = "torch"
+    pdl = False
 
     @staticmethod
     def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -40,38 +41,38 @@ class TorchOps:
 
 
 class TritonOps(TorchOps):
-    """Same results as TorchOps up to reduction order; rotary works in place on q and k."""
+    """Same results as TorchOps up to reduction order; rotary works in place on q and k.
+    pdl: the kernels launch with programmatic dependent launch where the GPU has it (pdl.py)."""
 
     name = "triton"
 
-    @staticmethod
-    def rms_norm(x, weight, eps):
+    def __init__(self, pdl: bool = True):
+        self.pdl = pdl
+
+    def rms_norm(self, x, weight, eps):
         from . import triton_ops
 
-        return triton_ops.rms_norm(x, weight, eps)
+        return triton_ops.rms_norm(x, weight, eps, pdl=self.pdl)
 
-    @staticmethod
-    def add_rms_norm(x, residual, weight, eps):
+    def add_rms_norm(self, x, residual, weight, eps):
         from . import triton_ops
 
-        return triton_ops.add_rms_norm(x, residual, weight, eps)
+        return triton_ops.add_rms_norm(x, residual, weight, eps, pdl=self.pdl)
 
-    @staticmethod
-    def silu_and_mul(x):
+    def silu_and_mul(self, x):
         from . import triton_ops
 
-        return triton_ops.silu_and_mul(x)
+        return triton_ops.silu_and_mul(x, pdl=self.pdl)
 
-    @staticmethod
-    def rotary(positions, q, k, cos_cache, sin_cache):
+    def rotary(self, positions, q, k, cos_cache, sin_cache):
         from . import triton_ops
 
         if _adjacent_heads(q, k):  # q and k heads side by side in the fused qkv output: one launch
             both = q.as_strided((q.shape[0], q.shape[1] + k.shape[1], q.shape[2]), q.stride())
-            triton_ops.rotary_inplace(positions, both, cos_cache, sin_cache)
+            triton_ops.rotary_inplace(positions, both, cos_cache, sin_cache, pdl=self.pdl)
         else:
-            triton_ops.rotary_inplace(positions, q, cos_cache, sin_cache)
-            triton_ops.rotary_inplace(positions, k, cos_cache, sin_cache)
+            triton_ops.rotary_inplace(positions, q, cos_cache, sin_cache, pdl=self.pdl)
+            triton_ops.rotary_inplace(positions, k, cos_cache, sin_cache, pdl=self.pdl)
         return q, k
 
 
@@ -85,16 +86,19 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-def select_ops(device: torch.device, head_dim: int) -> type[TorchOps]:
+TORCH_OPS = TorchOps()
+
+
+def select_ops(device: torch.device, head_dim: int, pdl: bool = True) -> TorchOps:
     """Triton kernels on CUDA when triton imports and the head size suits them; torch otherwise."""
     if device.type != "cuda":
-        return TorchOps
+        return TORCH_OPS
     if head_dim & (head_dim - 1):
         logger.info("head_dim %d is not a power of two: using torch ops", head_dim)
-        return TorchOps
+        return TORCH_OPS
     try:
         import triton  # noqa: F401
     except ImportError:
         logger.warning("triton is not installed: using torch ops on CUDA (pip install 'radixlm[gpu]')")
-        return TorchOps
-    return TritonOps
+        return TORCH_OPS
+    return TritonOps(pdl)

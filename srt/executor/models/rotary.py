@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from .ops import TorchOps
+from .ops import TORCH_OPS, TorchOps
 
 
 def _inv_freq(hf_config: Any, dim: int, rope_theta: float, device: torch.device,
@@ -50,7 +50,7 @@ class RotaryEmbedding(torch.nn.Module):
         self.register_buffer("sin_cache", emb.sin() * scaling, persistent=False)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
-                ops: type[TorchOps] = TorchOps) -> tuple[torch.Tensor, torch.Tensor]:
+                ops: TorchOps = TORCH_OPS) -> tuple[torch.Tensor, torch.Tensor]:
         """q: [T, H, D], k: [T, Hkv, D]; rotated in the same dtype (in place with Triton ops)."""
         if not self.rotary_dim:
             return ops.rotary(positions, q, k, self.cos_cache, self.sin_cache)

@@ -35,20 +35,20 @@ def _rmsnorm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, n_cols, x_stride, res_stride
     tl.store(out_ptr + row * out_stride + cols, (xf * rstd * w).to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, pdl: bool = True) -> torch.Tensor:
     out = torch.empty_like(x)
-    pdl = pdl_enabled(x)
+    pdl = pdl_enabled(x, pdl)
     _rmsnorm_kernel[(x.shape[0],)](x, x, weight, out, x.shape[1], x.stride(0), x.stride(0), out.stride(0), eps,
                                    HAS_RESIDUAL=False, BLOCK=triton.next_power_of_2(x.shape[1]), PDL=pdl,
                                    launch_pdl=pdl)
     return out
 
 
-def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                 pdl: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """residual += x (in place); returns (rms_norm(residual), residual)."""
     out = torch.empty_like(x)
-    pdl = pdl_enabled(x)
+    pdl = pdl_enabled(x, pdl)
     _rmsnorm_kernel[(x.shape[0],)](x, residual, weight, out, x.shape[1], x.stride(0), residual.stride(0),
                                    out.stride(0), eps, HAS_RESIDUAL=True, BLOCK=triton.next_power_of_2(x.shape[1]),
                                    PDL=pdl, launch_pdl=pdl)
@@ -69,12 +69,12 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, n_cols, x_stride, out_stride, BLOCK: tl
     tl.store(out_ptr + row * out_stride + cols, act * up, mask=mask)
 
 
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+def silu_and_mul(x: torch.Tensor, pdl: bool = True) -> torch.Tensor:
     """x: [T, 2 * I] (gate | up) -> silu(gate) * up: [T, I]."""
     n = x.shape[1] // 2
     out = torch.empty((x.shape[0], n), dtype=x.dtype, device=x.device)
     block = 1024
-    pdl = pdl_enabled(x)
+    pdl = pdl_enabled(x, pdl)
     _silu_and_mul_kernel[(x.shape[0], triton.cdiv(n, block))](x, out, n, x.stride(0), out.stride(0), BLOCK=block,
                                                               PDL=pdl, launch_pdl=pdl)
     return out
@@ -109,11 +109,12 @@ def _rotary_kernel(x_ptr, pos_ptr, cos_ptr, sin_ptr, x_stride_t, x_stride_h, cac
     tl.store(base + HALF, x2, mask=mask)
 
 
-def rotary_inplace(positions: torch.Tensor, x: torch.Tensor, cos_cache: torch.Tensor, sin_cache: torch.Tensor) -> None:
+def rotary_inplace(positions: torch.Tensor, x: torch.Tensor, cos_cache: torch.Tensor, sin_cache: torch.Tensor,
+                   pdl: bool = True) -> None:
     """Rotates x: [T, H, D] (any token/head strides, unit feature stride) in place."""
     num_tokens, num_heads, head_dim = x.shape
     block_h = min(triton.next_power_of_2(num_heads), 16)
-    pdl = pdl_enabled(x)
+    pdl = pdl_enabled(x, pdl)
     _rotary_kernel[(num_tokens, triton.cdiv(num_heads, block_h))](
         x, positions, cos_cache, sin_cache, x.stride(0), x.stride(1), cos_cache.stride(0), num_heads,
         HALF=head_dim // 2, BLOCK_H=block_h, PDL=pdl, launch_pdl=pdl)
@@ -133,10 +134,11 @@ def _store_kv_kernel(k_ptr, v_ptr, slot_ptr, k_buf_ptr, v_buf_ptr, k_stride_t, k
     tl.store(v_buf_ptr + dst, tl.load(v_ptr + t * v_stride_t + h * v_stride_h + d))
 
 
-def store_kv(k_buf: torch.Tensor, v_buf: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+def store_kv(k_buf: torch.Tensor, v_buf: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             pdl: bool = True) -> None:
     """k_buf, v_buf: [Hkv, S, D] head-major pool; k, v: [T, Hkv, D] (strided is fine)."""
     num_tokens, num_heads, head_dim = k.shape
-    pdl = pdl_enabled(k)
+    pdl = pdl_enabled(k, pdl)
     _store_kv_kernel[(num_tokens, num_heads)](
         k, v, slots, k_buf, v_buf, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_buf.stride(0), k_buf.stride(1), HEAD_DIM=head_dim, PDL=pdl, launch_pdl=pdl)
@@ -187,14 +189,14 @@ def _rotary_store_kv_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cos_ptr, sin_ptr, slot
 
 def rotary_store_kv(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     cos_cache: torch.Tensor, sin_cache: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
-                    slots: torch.Tensor, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
+                    slots: torch.Tensor, k_scale: float = 1.0, v_scale: float = 1.0, pdl: bool = True) -> None:
     """rotary_inplace on q [T, Hq, D] and k [T, Hkv, D], then store_kv (or, for an FP8 pool,
     fp8_triton.store_kv_fp8 with the scales) of k and v, in one launch: the same bytes as the
     two (decode runs one short kernel less per layer). Hq must be a multiple of Hkv."""
     num_tokens, num_kv_heads, head_dim = k.shape
     group = q.shape[1] // num_kv_heads
     fp8 = k_buf.dtype == torch.float8_e4m3fn
-    pdl = pdl_enabled(q)
+    pdl = pdl_enabled(q, pdl)
     _rotary_store_kv_kernel[(num_tokens, num_kv_heads)](
         q, k, v, positions, cos_cache, sin_cache, slots, k_buf, v_buf, q.stride(0), q.stride(1), k.stride(0),
         k.stride(1), v.stride(0), v.stride(1), cos_cache.stride(0), k_buf.stride(0), k_buf.stride(1), 1.0 / k_scale,

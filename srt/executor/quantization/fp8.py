@@ -22,6 +22,8 @@ import math
 import torch
 from torch import nn
 
+from ..kernel_options import KernelOptions
+
 logger = logging.getLogger(__name__)
 
 FP8 = torch.float8_e4m3fn
@@ -72,8 +74,10 @@ class Fp8Linear(nn.Module):
     """y = x @ W^T (+ b) with W in e4m3 and per-output-channel scales; x quantized per token."""
 
     def __init__(self, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None,
-                 out_dtype: torch.dtype):
+                 out_dtype: torch.dtype, options: KernelOptions = KernelOptions()):
+        """options: which of our kernels it runs (fp8_gemv, fused input quantization, PDL)."""
         super().__init__()
+        self.options = options
         self.out_features, self.in_features = weight.shape
         self.register_buffer("weight", weight.contiguous())  # [N, K] e4m3, row-major: W^T is column-major
         self.register_buffer("weight_scale", weight_scale.float().reshape(1, -1).contiguous())  # [1, N]
@@ -85,10 +89,10 @@ class Fp8Linear(nn.Module):
         self.gemm_dtype = torch.bfloat16 if weight.is_cuda else out_dtype
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear) -> "Fp8Linear":
+    def from_linear(cls, linear: nn.Linear, options: KernelOptions = KernelOptions()) -> "Fp8Linear":
         q, scale = quantize_weight(linear.weight.data)
         bias = linear.bias.data if linear.bias is not None else None
-        return cls(q, scale, bias, linear.weight.dtype)
+        return cls(q, scale, bias, linear.weight.dtype, options)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
@@ -96,11 +100,13 @@ class Fp8Linear(nn.Module):
         if self._uses_gemv(x2):
             # Decode-sized batches: one Triton launch that streams the weights at HBM bandwidth
             # with x unquantized (cuBLAS's FP8 GEMM reads them at a fraction of it for a few rows).
-            return self._finish(_fp8_gemv(x2, self.weight, self.weight_scale, self.out_dtype), lead)
+            return self._finish(_fp8_gemv(x2, self.weight, self.weight_scale, self.out_dtype, pdl=self.options.pdl),
+                                lead)
         return self.forward_quantized(*quantize_per_token(x2), lead)
 
     def _uses_gemv(self, x2: torch.Tensor) -> bool:
-        return x2.is_cuda and _fp8_gemv is not None and x2.shape[0] <= GEMV_MAX_ROWS and x2.dtype in _GEMV_DTYPES
+        return (x2.is_cuda and self.options.fp8_gemv and _fp8_gemv is not None and x2.shape[0] <= GEMV_MAX_ROWS
+                and x2.dtype in _GEMV_DTYPES)
 
     def forward_quantized(self, xq: torch.Tensor, x_scale: torch.Tensor, lead: torch.Size | None = None) -> torch.Tensor:
         """The GEMM on input already quantized per token: xq e4m3 [M, K], x_scale float32 [M, 1]."""
@@ -114,7 +120,8 @@ class Fp8Linear(nn.Module):
     def _fuses_quantization(self, x2: torch.Tensor) -> bool:
         """Whether the op that makes x2 may quantize it for us (fp8_triton's fused kernels): on
         CUDA at sizes that take the quantized GEMM, unless turned off for a comparison."""
-        return _fused_quant is not None and _fused_quant_on and x2.is_cuda and not self._uses_gemv(x2)
+        return (_fused_quant is not None and self.options.fused_fp8_quantization and x2.is_cuda
+                and not self._uses_gemv(x2))
 
     def forward_rms_norm(self, x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
                          eps: float) -> torch.Tensor | None:
@@ -153,10 +160,11 @@ class Fp8Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, fp8_e4m3 per-channel"
 
 
-def quantize_model_fp8(model: nn.Module, device: torch.device) -> int:
+def quantize_model_fp8(model: nn.Module, device: torch.device, options: KernelOptions = KernelOptions()) -> int:
     """Replaces the decoder layers' projections with Fp8Linear in place; returns how many.
     Refuses MoE experts (not quantized yet) and a device without FP8, by name."""
     check_fp8_device(device)
+    from ..models.layers import is_plain_linear
     from ..models.moe import SparseMoE
 
     if any(isinstance(m, SparseMoE) for m in model.modules()):
@@ -170,14 +178,14 @@ def quantize_model_fp8(model: nn.Module, device: torch.device) -> int:
             if child is None:
                 continue
             full = f"{parent_name}.{name}" if parent_name else name
-            if type(child) is not nn.Linear:  # a subclass may do more in forward (e.g. a collective)
+            if not is_plain_linear(child):
                 raise TypeError(f"quantization fp8: {full} is a {type(child).__name__}, not an nn.Linear; "
                                 "Fp8Linear does not know what else its forward does")
             out_f, in_f = child.weight.shape
             if out_f % SCALED_MM_ALIGN or in_f % SCALED_MM_ALIGN:
                 skipped.append(full)  # _scaled_mm cannot run it; stays exact in the model dtype
                 continue
-            setattr(parent, name, Fp8Linear.from_linear(child))
+            setattr(parent, name, Fp8Linear.from_linear(child, options))
             replaced += 1
     if skipped:
         logger.warning("quantization fp8: %d projections kept in the model dtype (dimensions not multiples of %d), "
@@ -214,15 +222,8 @@ def _load_triton():
 
 
 _triton_quant, _fp8_gemv, _fused_quant = _load_triton()
-_fused_quant_on = True
 # SiLU-and-mul quantizes a whole row per program; wider rows keep the separate kernels.
 _MAX_FUSED_COLS = 32768
-
-
-def set_fused_quantization(enabled: bool) -> None:
-    """Turns the norm's and SiLU-and-mul's own quantization on or off (benchmarks compare)."""
-    global _fused_quant_on
-    _fused_quant_on = enabled
 # Up to this many rows fp8_gemv beats quantize + _scaled_mm on the H200
 # (benchmarks/bench_gpu_fp8_gemv.py); it multiplies bf16/fp16 activations only.
 GEMV_MAX_ROWS = 16

@@ -16,13 +16,16 @@ import logging
 import torch
 from torch import nn
 
+from ..kernel_options import KernelOptions
 from ..models import checkpoint
-from .fp8 import SCALED_MM_ALIGN, FP8, LINEAR_NAMES, Fp8Linear, check_fp8_device
+from ..models.layers import is_plain_linear
+from .fp8 import FP8, LINEAR_NAMES, SCALED_MM_ALIGN, Fp8Linear, check_fp8_device
 
 logger = logging.getLogger(__name__)
 
 
-def use_checkpoint_fp8(model: nn.Module, device: torch.device, scales: dict[str, torch.Tensor]) -> int:
+def use_checkpoint_fp8(model: nn.Module, device: torch.device, scales: dict[str, torch.Tensor],
+                       options: KernelOptions = KernelOptions()) -> int:
     """Turns the projections whose checkpoint tensors were FP8 into Fp8Linear; returns how many.
     `scales`: HF weight name (…q_proj.weight) -> its scale (one per tensor, or one per row)."""
     check_fp8_device(device, "an FP8 checkpoint")
@@ -40,7 +43,7 @@ def use_checkpoint_fp8(model: nn.Module, device: torch.device, scales: dict[str,
         parent_name, _, name = module_name.rpartition(".")
         parent = model.get_submodule(parent_name)
         linear = getattr(parent, name)
-        if name not in LINEAR_NAMES or type(linear) is not nn.Linear:
+        if name not in LINEAR_NAMES or not is_plain_linear(linear):
             raise ValueError(f"FP8 checkpoint: {module_name} has FP8 weights but is not a projection that runs in FP8")
         if torch.isnan(vec).any():
             raise ValueError(f"FP8 checkpoint: {module_name} fuses tensors of which only some are FP8")
@@ -50,7 +53,7 @@ def use_checkpoint_fp8(model: nn.Module, device: torch.device, scales: dict[str,
             weight.mul_(vec.to(weight.device, weight.dtype)[:, None])
             continue
         bias = linear.bias.data if linear.bias is not None else None
-        setattr(parent, name, Fp8Linear(weight.to(FP8), vec.to(weight.device), bias, weight.dtype))
+        setattr(parent, name, Fp8Linear(weight.to(FP8), vec.to(weight.device), bias, weight.dtype, options))
         replaced += 1
     logger.info("FP8 checkpoint: %d projections kept in e4m3 with their checkpoint scales", replaced)
     return replaced

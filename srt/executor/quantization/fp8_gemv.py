@@ -11,12 +11,8 @@ dot multiplies exact values and sums them in fp32, and the only rounding is the 
 Each program owns BLOCK_N output channels and a 1/SPLIT_K share of K. Split-K programs write
 fp32 partial sums that one small kernel adds and scales; with SPLIT_K == 1 the scale is applied
 in place. The tile sizes per shape come from `gemv_config` (measured on the H200 by
-benchmarks/bench_gpu_fp8_gemv.py).
-
-Tried and removed (H200, 2026-12-01): prefetching the rest of each program's weight slice into
-L2 (PTX prefetch.global.L2, up to 24 MB per GEMV) before the PDL wait, to overlap the stream
-with the short kernels before it, made batch-1 decode slower: 3.111 ms/token against 2.723
-without it, and the 128-projection stack 2.329 against 1.946 ms.
+benchmarks/bench_gpu_fp8_gemv.py). Prefetching the weights into L2 before the PDL wait was
+tried and made decode slower (docs/experiments.md).
 """
 
 from __future__ import annotations
@@ -164,17 +160,17 @@ def gemv_config(rows: int, n: int, k: int, sm_count: int) -> GemvConfig:
 
 def _row_tiles(n: int) -> tuple[int, int, int, int]:
     """(block_n, block_k, num_warps, num_stages) of the one-row kernel, the fastest of
-    bench_gpu_fp8_gemv.py's sweep on the H200 for the Llama-3.1-8B projections (2026-12-01):
+    bench_gpu_fp8_gemv.py's sweep on the H200 for the Llama-3.1-8B projections (docs/gpu.md):
     8 KB of weight per loop step, in shorter rows as N grows (more programs in flight)."""
-    if n <= 4096:  # o_proj, down_proj: 7.2 and 18.2 us, 2.33 and 3.23 TB/s
+    if n <= 4096:  # o_proj, down_proj
         return 8, 1024, 4, 3
-    if n <= 8192:  # qkv_proj: 9.3 us, 2.71 TB/s
+    if n <= 8192:  # qkv_proj
         return 16, 512, 8, 3
-    return 16, 256, 4, 3  # gate_up_proj: 32.6 us, 3.61 TB/s
+    return 16, 256, 4, 3  # gate_up_proj
 
 
 def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, out_dtype: torch.dtype,
-             config: GemvConfig | None = None) -> torch.Tensor:
+             config: GemvConfig | None = None, pdl: bool = True) -> torch.Tensor:
     """[M <= MAX_ROWS, K] (bf16/fp16) x e4m3 [N, K] with float32 scales ([N] or [1, N]) -> [M, N]."""
     if x.stride(-1) != 1:
         x = x.contiguous()
@@ -192,7 +188,7 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, 
     even = n % config.block_n == 0 and k % config.block_k == 0 and k_per_split * split == k
     part = torch.empty((split, rows, n), dtype=torch.float32, device=x.device) if split > 1 else out
     grid = (triton.cdiv(n, config.block_n), split)
-    pdl = pdl_enabled(x)
+    pdl = pdl_enabled(x, pdl)
     if rows == 1:
         _fp8_gemv_row_kernel[grid](x, weight, weight_scale, out, part, n, k, k_per_split, BLOCK_N=config.block_n,
                                    BLOCK_K=config.block_k, SPLIT_K=split, EVEN=even, PDL=pdl,

@@ -72,11 +72,11 @@ def _store_kv_fp8_kernel(k_ptr, v_ptr, slot_ptr, k_buf_ptr, v_buf_ptr, k_stride_
 
 
 def store_kv_fp8(k_buf: torch.Tensor, v_buf: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                 k_scale: float, v_scale: float) -> None:
+                 k_scale: float, v_scale: float, pdl: bool = True) -> None:
     """Stores k / k_scale and v / v_scale, saturated to e4m3, into the head-major FP8 pool
     (k_buf, v_buf: [Hkv, S, D]; k, v: [T, Hkv, D], any token/head strides) in one launch."""
     num_tokens, num_heads, head_dim = k.shape
-    pdl = pdl_enabled(k)
+    pdl = pdl_enabled(k, pdl)
     _store_kv_fp8_kernel[(num_tokens, num_heads)](
         k, v, slots, k_buf, v_buf, k.stride(0), k.stride(1), v.stride(0), v.stride(1), k_buf.stride(0),
         k_buf.stride(1), 1.0 / k_scale, 1.0 / v_scale, FP8_MAX=_FP8_MAX, HEAD_DIM=head_dim, PDL=pdl,
