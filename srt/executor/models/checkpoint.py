@@ -4,15 +4,11 @@ our fused parameters (q|k|v rows, gate|up rows, experts stacked along a leading 
 from __future__ import annotations
 
 import re
-from typing import TYPE_CHECKING
 
 import torch
 
 from ...configs import ModelConfig
 from .family import Family
-
-if TYPE_CHECKING:
-    from .decoder import CausalLM
 
 _LAYER_RE = re.compile(r"layers\.(\d+)\.(.+)")
 _EXPERT_RE = re.compile(r"experts\.(\d+)\.(\w+)\.weight")
@@ -102,8 +98,9 @@ def _target(name: str, config: ModelConfig, family: Family) -> tuple[str, tuple]
     return prefix + "mlp." + rest, ()
 
 
-def load_into(model: "CausalLM", weights: dict[str, torch.Tensor]) -> None:
-    """Copies every checkpoint tensor into its slice; each parameter must be covered exactly."""
+def load_into(model: torch.nn.Module, weights: dict[str, torch.Tensor]) -> None:
+    """Copies every checkpoint tensor into its slice of a decoder.CausalLM (its parameters, its
+    config and family, whether it has an lm_head); each parameter must be covered exactly."""
     params = dict(model.named_parameters())
     written = {name: 0 for name in params}
     for hf_name, tensor in weights.items():
