@@ -81,13 +81,17 @@ class Engine:
         return outputs if batched or len(outputs) > 1 else outputs[0]
 
     def _output(self, msg: TokenizedGenerateReq, req: Req, latency: float, with_text: bool) -> dict[str, Any]:
+        from .results import TokenTexts
+
         finish = req.finish_reason.to_dict()
         lps = req.logprobs
         logprobs = LogprobRecord(lps.input_token, lps.input_top, lps.output_token, lps.output_top)
-        progress = Progress(text=final_text(self.tokenizer, req.output_ids, req.sampling_params, finish),
-                            output_ids=req.output_ids, cached_tokens=req.cached_tokens, finish_reason=finish,
-                            e2e_latency=latency, logprobs=logprobs, spec_verify_ct=req.spec_verify_ct)
-        return result(msg, progress, self.tokenizer, with_text)
+        progress = Progress(prompt_tokens=len(msg.input_ids), completion_tokens=len(req.output_ids),
+                            cached_tokens=req.cached_tokens, finish_reason=finish, e2e_latency=latency,
+                            spec_verify_ct=req.spec_verify_ct)
+        text = final_text(self.tokenizer, req.output_ids, req.sampling_params, finish)
+        return result(msg, text, list(req.output_ids), progress, logprobs,
+                      TokenTexts(self.tokenizer) if with_text else None)
 
     def flush_cache(self) -> bool:
         return self.scheduler.flush_cache()

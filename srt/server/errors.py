@@ -22,6 +22,10 @@ class ServerUnavailable(Exception):
     """A child process died or the server is shutting down: answer 503, end streams with an error."""
 
 
+class InternalAbort(Exception):
+    """The scheduler ended a request on an internal error (an abort with a message)."""
+
+
 def code_for(status: int) -> str:
     return _CODES.get(status, "internal_error" if status >= 500 else "invalid_request")
 

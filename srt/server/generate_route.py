@@ -1,5 +1,6 @@
 """SGLang's native /generate: the body checked and tokenized (off the event loop: a long prompt
-takes seconds to tokenize and would stall every other client), run whole or streamed as SSE."""
+takes seconds to tokenize and would stall every other client), run by the request runner,
+answered whole or streamed as SSE."""
 
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ from fastapi.responses import Response
 from ..intake import Intake
 from ..io_struct import TokenizedGenerateReq
 from .errors import Overloaded, ServerUnavailable, error_body, error_response, status_of
+from .native_stream import CumulativeStream
+from .request_runner import RequestRunner, unless_disconnected
 from .streaming import SSE_DONE, EventStream, sse
 from .tokenizer_manager import TokenizerManager
 
@@ -45,19 +48,24 @@ async def generate(tm: TokenizerManager, request: Request) -> Response:
         return body
     try:
         msgs, batched = await asyncio.to_thread(generate_requests, body, tm.intake)
-        if tm.is_full(len(msgs)):  # a batch is admitted whole or not at all
-            tm.metrics.on_rejected("queue_full")
-            raise Overloaded(f"{len(msgs)} more requests would pass the server's limit "
-                             "(--max-queued-requests); retry later")
-    except (ValueError, Overloaded) as e:
+    except ValueError as e:
         return error_for(e)
     with_text = body.get("return_text_in_logprobs", False)
-    if body.get("stream", False):
-        return EventStream(_stream(tm, msgs, with_text))
+    stream = body.get("stream", False)
     try:
-        results = await _run_until_done_or_disconnect(tm, msgs, with_text, request)
-    except (ValueError, Overloaded, ServerUnavailable) as e:
+        runner = await RequestRunner.open(tm, msgs, with_text)
+    except Overloaded as e:  # a batch is admitted whole or not at all
         return error_for(e)
+    except (ValueError, ServerUnavailable) as e:
+        return EventStream(_failed(e)) if stream else error_for(e)
+    if stream:
+        return EventStream(_stream(runner, len(msgs)), on_close=runner.close)
+    try:
+        results = await unless_disconnected(request, runner.whole_results(raise_internal_aborts=False))
+    except (ValueError, ServerUnavailable) as e:
+        return error_for(e)
+    finally:
+        await runner.close()
     if results is None:
         return Response(status_code=499)
     return Response(orjson.dumps(results if batched else results[0]), media_type="application/json")
@@ -82,67 +90,23 @@ def generate_requests(body: Any, intake: Intake) -> tuple[list[TokenizedGenerate
     return msgs, batched or len(msgs) > 1
 
 
-async def _run_until_done_or_disconnect(tm: TokenizerManager, msgs: list[TokenizedGenerateReq], with_text: bool,
-                                        request: Request) -> list[dict[str, Any]] | None:
-    """Runs all requests; if the client disconnects first, aborts them and returns None. If one
-    fails, the others are aborted and its exception raised."""
-    await _share_prompts(tm, msgs)
-    tasks = [asyncio.ensure_future(tm.generate_once(m, with_text)) for m in msgs]
-    work = asyncio.gather(*tasks)
-    try:
-        while not work.done():
-            done, _ = await asyncio.wait({work}, timeout=0.5)
-            if not done and await request.is_disconnected():
-                return None
-        return work.result()
-    finally:
-        for task in tasks:  # cancelling closes the generators, which abort in the scheduler
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-
-
-async def _share_prompts(tm: TokenizerManager, msgs: list[TokenizedGenerateReq]) -> None:
-    """Several samples of one prompt: prefill it once so the others hit the radix cache."""
-    groups: dict[Any, list[TokenizedGenerateReq]] = {}
-    for m in msgs:  # the salt is part of the key: a prompt is cached per salt
-        groups.setdefault((m.cache_salt, tuple(m.input_ids)), []).append(m)
-    await asyncio.gather(*(tm.cache_prompt(g[0]) for g in groups.values() if len(g) > 1))
-
-
-async def _stream(tm: TokenizerManager, msgs: list[TokenizedGenerateReq], with_text: bool) -> AsyncIterator[bytes]:
+async def _stream(runner: RequestRunner, count: int) -> AsyncIterator[bytes]:
     """SSE: `data: {...}` per chunk (with "index" when several requests), then `data: [DONE]`.
     A request that fails (bad input found late, a dead child, shutdown) sends `data: {"error":
     ...}` in its place, so a stream never just stops."""
-    tasks: list[asyncio.Future] = []
+    streams = [CumulativeStream(i if count > 1 else None) for i in range(count)]
     try:
-        queue: asyncio.Queue = asyncio.Queue()
-
-        async def pump(index: int, msg: TokenizedGenerateReq) -> None:
-            try:
-                async for chunk in tm.generate(msg, with_text):
-                    await queue.put((index, chunk))
-            except (ValueError, Overloaded, ServerUnavailable) as e:
-                await queue.put((index, error_body(status_of(e), str(e))))
-            finally:
-                await queue.put((index, None))
-
-        try:
-            await _share_prompts(tm, msgs)
-        except (ValueError, Overloaded, ServerUnavailable) as e:
-            yield sse(error_body(status_of(e), str(e)))
-            yield SSE_DONE
-            return
-        tasks = [asyncio.ensure_future(pump(i, m)) for i, m in enumerate(msgs)]
-        remaining = len(tasks)
-        while remaining:
-            index, chunk = await queue.get()
-            if chunk is None:
-                remaining -= 1
-                continue
-            if len(msgs) > 1:
-                chunk = {**chunk, "index": index}
-            yield sse(chunk)
+        async for event in runner.events():
+            if event.error is not None:
+                error = error_body(status_of(event.error), str(event.error))
+                yield sse({**error, "index": event.index} if count > 1 else error)
+            else:
+                yield streams[event.index].event(event.chunk)
         yield SSE_DONE
-    finally:
-        for task in tasks:  # the client left: cancelling closes the generators, which abort
-            task.cancel()
+    finally:  # the client left, or the stream ended: nothing may keep running
+        await runner.close()
+
+
+async def _failed(e: Exception) -> AsyncIterator[bytes]:
+    yield sse(error_body(status_of(e), str(e)))
+    yield SSE_DONE

@@ -1,6 +1,6 @@
 """The HTTP front: SGLang's native API (/generate and friends), health, metrics, API keys.
 /generate lives in generate_route.py, the request checks in guard.py, the OpenAI routes in
-openai_api.py."""
+openai_api.py; every generation route runs its requests through request_runner.py."""
 
 from __future__ import annotations
 

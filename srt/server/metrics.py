@@ -33,11 +33,12 @@ class Metrics:
         self.cache_hit_rate = Gauge("radixlm_cache_hit_rate", "Prompt tokens matched in the radix cache / queried", registry=r)
 
     def on_request_end(self, state: Any) -> None:
+        """`state`: the tokenizer manager's record of a request that ended (finished or not)."""
         reason = (state.finish_reason or {}).get("type", "abort")
         self.requests.labels(finish_reason=reason).inc()
         self.prompt_tokens.inc(state.prompt_tokens)
         self.cached_tokens.inc(state.cached_tokens)
-        self.generation_tokens.inc(len(state.output_ids))
+        self.generation_tokens.inc(state.completion_tokens)
         self.spec_verify_steps.inc(state.spec_verify_ct)
         self.spec_accepted.inc(state.spec_accepted)
         if state.last_token_time is not None:

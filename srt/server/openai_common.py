@@ -1,10 +1,14 @@
-"""Helpers shared by the OpenAI-compatible routes: body parsing, tokenizing and sampling
-through the intake with errors named as the request names its fields, and JSON responses."""
+"""What the OpenAI-compatible routes share: the serving context (tokenizer manager, model
+name, response envelope, token texts), body parsing, tokenizing and sampling through the intake
+with errors named as the request names its fields, running a request to its end, and JSON
+responses."""
 
 from __future__ import annotations
 
 import logging
-from typing import Any
+import time
+import uuid
+from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
 
 import orjson
 from fastapi import Request
@@ -12,12 +16,33 @@ from fastapi.responses import Response
 from pydantic import BaseModel, ValidationError
 
 from ..io_struct import TokenizedGenerateReq
-from .errors import RETRY_AFTER_S, Overloaded, ServerUnavailable
-from .openai_protocol import OpenAIError
-from .openai_runner import InternalAbort
+from .errors import RETRY_AFTER_S, InternalAbort, Overloaded, ServerUnavailable
+from .openai_protocol import OpenAIError, TokenText
+from .request_runner import RequestRunner, unless_disconnected
+from .streaming import SSE_DONE, EventStream, sse
 from .tokenizer_manager import TokenizerManager
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class OpenAIContext:
+    """What every OpenAI route needs: the tokenizer manager, the served model's name, the
+    envelope of a response and token texts for logprobs."""
+
+    def __init__(self, tm_getter: Callable[[], TokenizerManager], served_model_name: str):
+        self.tm_getter = tm_getter
+        self.model_name = served_model_name
+        self._token_text: TokenText | None = None
+
+    def envelope(self, id_prefix: str, kind: str) -> dict[str, Any]:
+        return {"id": f"{id_prefix}-{uuid.uuid4().hex}", "object": kind, "created": int(time.time()),
+                "model": self.model_name, "system_fingerprint": None}
+
+    def names(self) -> TokenText:
+        if self._token_text is None:
+            self._token_text = TokenText(self.tm_getter().tokenizer)
+        return self._token_text
 
 
 # ---- request helpers ---------------------------------------------------------------------------
@@ -64,6 +89,40 @@ def as_openai_error(e: Exception, renames: dict[str, str]) -> OpenAIError:
         return OpenAIError(f"the request failed in the server: {e}", status=500, err_type="server_error")
     logger.exception("request failed", exc_info=e)
     return OpenAIError(f"internal error: {type(e).__name__}: {e}", status=500, err_type="server_error")
+
+
+# ---- running ------------------------------------------------------------------------------------
+
+async def open_runner(tm: TokenizerManager, msgs: list[TokenizedGenerateReq], renames: dict[str, str],
+                      failed_stream: Callable[[Exception], AsyncIterator[bytes]] | None = None
+                      ) -> RequestRunner | Response:
+    """The request's runner, or the response that answers instead: 429 when it is not admitted,
+    else the error; for a stream (`failed_stream` given), an event stream of the error that
+    `failed_stream` writes, as when a stream fails later."""
+    try:
+        return await RequestRunner.open(tm, msgs)
+    except Overloaded as e:
+        return error_response(as_openai_error(e, renames))
+    except (ValueError, ServerUnavailable) as e:
+        return EventStream(failed_stream(e)) if failed_stream else error_response(as_openai_error(e, renames))
+
+
+async def error_events(e: Exception, renames: dict[str, str]) -> AsyncIterator[bytes]:
+    yield sse(as_openai_error(e, renames).body())
+    yield SSE_DONE
+
+
+async def run_whole(request: Request, runner: RequestRunner, work: Awaitable[T],
+                    renames: dict[str, str]) -> T | Response:
+    """`work` (reading `runner`) run to its end, or the response that answers instead: the
+    error it raised, or 499 when the client left first (its requests are aborted at once)."""
+    try:
+        result = await unless_disconnected(request, work)
+    except Exception as e:
+        return error_response(as_openai_error(e, renames))
+    finally:
+        await runner.close()
+    return Response(status_code=499) if result is None else result
 
 
 # ---- response helpers --------------------------------------------------------------------------

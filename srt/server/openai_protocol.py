@@ -1,6 +1,6 @@
 """The wire format of the OpenAI-compatible API: request bodies of /v1/completions and
 /v1/chat/completions as pydantic models, the error every handler answers with, and the response
-pieces (choices, logprobs) built from TokenizerManager results.
+pieces (choices, logprobs, usage) built from TokenizerManager results.
 
 Models are strict: a known field with the wrong JSON type is a 400 naming it (no "0.5" -> 0.5
 coercion), while unknown fields are ignored, as OpenAI clients send fields we do not use.
@@ -17,6 +17,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from .errors import code_for
+
 
 class OpenAIError(Exception):
     """An error answered in OpenAI's shape: {"error": {message, type, param, code}}."""
@@ -28,8 +30,6 @@ class OpenAIError(Exception):
 
     def body(self) -> dict[str, Any]:
         # The same code as the native routes give for this status, unless a route names its own.
-        from .errors import code_for
-
         return {"error": {"message": self.message, "type": self.err_type, "param": self.param,
                           "code": self.code or code_for(self.status)}}
 
@@ -281,7 +281,7 @@ class ChatCompletionRequest(_SamplingBody):
         return json.dumps(rf.json_schema.schema_)
 
 
-# ---- response pieces, built from TokenizerManager results ---------------------------------------
+# ---- response pieces, built from TokenizerManager results (chunks or whole) -------------------
 
 _FINISH_REASONS = {"stop": "stop", "length": "length", "abort": "abort"}
 
@@ -295,6 +295,24 @@ def choice(meta: dict[str, Any], **fields: Any) -> dict[str, Any]:
     """A choice with its finish_reason and SGLang's matched_stop (the stop string or token id)."""
     matched = (meta.get("finish_reason") or {}).get("matched")
     return {**fields, "finish_reason": finish_reason_of(meta), "matched_stop": matched}
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+
+
+def samples_usage(prompt_lens: list[int], group_sizes: list[int], metas: list[dict[str, Any]]) -> dict[str, Any]:
+    """Usage of n samples per prompt: prompt p has `prompt_lens[p]` tokens and
+    `group_sizes[p]` samples, whose final meta_info follow each other in `metas`. A prompt
+    counts once; its later samples hit the cache its first prefill filled, so its cached
+    tokens are the least any of its samples had."""
+    cached, i = 0, 0
+    for size in group_sizes:
+        cached += min(m["cached_tokens"] for m in metas[i:i + size])
+        i += size
+    return usage(sum(prompt_lens), sum(m["completion_tokens"] for m in metas), cached)
 
 
 def logprob_entries(meta: dict[str, Any], side: str) -> list[tuple[Any, Any]]:

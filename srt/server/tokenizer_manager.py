@@ -1,6 +1,6 @@
 """The main process's side of the runtime: sends requests that its `intake` validated and
-tokenized to the scheduler, and gathers the detokenizer's text back into per-request results
-for the HTTP handlers."""
+tokenized to the scheduler, and hands the detokenizer's text back to the HTTP handlers as
+chunks of what is new, per request."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator
+from typing import Any
 
 import zmq
 import zmq.asyncio
@@ -21,7 +21,7 @@ from .. import io_struct
 from ..intake import Intake
 from ..io_struct import (AbortReq, BatchTextOut, ControlReply, ControlReq, ReqTextOutput,
                          TokenizedGenerateReq)
-from ..results import LogprobRecord, Progress, result
+from ..results import LogprobRecord, Progress, ResultBuilder, TokenTexts, result
 from ..sampling_params import SamplingParams
 from .errors import Overloaded, ServerUnavailable
 from .metrics import Metrics
@@ -34,12 +34,16 @@ class _ReqState:
     msg: TokenizedGenerateReq
     text_in_logprobs: bool
     created: float
-    text: str = ""
-    output_ids: list[int] = field(default_factory=list)
-    finish_reason: dict[str, Any] | None = None
+    sent: bool = False  # sent to the scheduler
+    ended: bool = False  # finished, failed or closed: no longer in the manager
+    completion_tokens: int = 0
     cached_tokens: int = 0
+    finish_reason: dict[str, Any] | None = None
     spec_verify_ct: int = 0
     spec_accepted: int = 0
+    # What arrived since the last chunk handed out.
+    texts: list[str] = field(default_factory=list)
+    ids: list[int] = field(default_factory=list)
     logprobs: LogprobRecord = field(default_factory=LogprobRecord)
     first_token_time: float | None = None
     last_token_time: float | None = None
@@ -53,6 +57,51 @@ class _ReqState:
     @property
     def prompt_tokens(self) -> int:  # read by Metrics
         return len(self.msg.input_ids)
+
+
+class RequestStream:
+    """One request's results as they arrive: an async iterator of SGLang-shaped chunks, each
+    holding the text, ids and logprob entries new since the previous one, with the request's
+    running counters (results.py). A request not streamed yields one chunk, when it finishes.
+
+    The request is sent to the scheduler on the first iteration. `aclose()` ends it early and
+    aborts it in the scheduler; whoever iterates must call it (or read to the end).
+    """
+
+    def __init__(self, tm: TokenizerManager, state: _ReqState, payload: bytes):
+        self._tm = tm
+        self._state = state
+        self._payload = payload
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> dict[str, Any]:
+        state = self._state
+        if state.ended:
+            raise StopAsyncIteration
+        if not state.sent:
+            state.sent, state.created = True, time.perf_counter()  # latencies count from here
+            await self._tm._send.send(self._payload)
+        while True:
+            await state.event.wait()
+            state.event.clear()
+            if state.error is not None:
+                self._tm._end(state)
+                raise ServerUnavailable(state.error)
+            if state.finish_reason is not None or state.msg.stream:
+                chunk = self._tm._chunk(state)
+                if state.finish_reason is not None:
+                    self._tm._end(state)
+                return chunk
+
+    async def aclose(self) -> None:
+        state = self._state
+        if state.ended:
+            return
+        self._tm._end(state)
+        if state.sent and state.finish_reason is None and self._tm.unavailable is None:
+            await self._tm.abort(state.rid)
 
 
 class TokenizerManager:
@@ -74,6 +123,7 @@ class TokenizerManager:
         self._recv.setsockopt(zmq.LINGER, 0)
         self._recv.bind(recv_addr)
         self._states: dict[str, _ReqState] = {}
+        self._token_texts = TokenTexts(tokenizer)
         self._control_waiters: dict[str, asyncio.Future] = {}
         self._recv_task: asyncio.Task | None = None
         # Constraint specs are checked here with xgrammar's parsers; importing it takes seconds,
@@ -102,7 +152,7 @@ class TokenizerManager:
         return self.max_in_flight is not None and len(self._states) + adding > self.max_in_flight
 
     def fail_all(self, reason: str) -> None:
-        """Ends every request in flight at once with `reason` (their generators raise
+        """Ends every request in flight at once with `reason` (their streams raise
         ServerUnavailable) and refuses new ones: used when a child died or on shutdown."""
         self.unavailable = reason
         for state in self._states.values():
@@ -111,22 +161,22 @@ class TokenizerManager:
 
     # ---- generation ----------------------------------------------------------------------------
 
-    async def generate(self, msg: TokenizedGenerateReq, text_in_logprobs: bool = False) -> AsyncIterator[dict[str, Any]]:
-        """Yields SGLang-shaped results `{"text", "output_ids", "meta_info"}` with the text and
-        ids so far: one final result, or with `msg.stream` one per chunk (the last is finished).
-        `msg` comes from `self.intake`, which validated it.
+    def generate(self, msg: TokenizedGenerateReq, text_in_logprobs: bool = False,
+                 admitted: bool = False) -> RequestStream:
+        """Registers `msg` (from `self.intake`, which validated it) and returns its stream of
+        chunks; it is sent to the scheduler when the stream is first read. `text_in_logprobs`:
+        each logprob triple holds its token's text. `admitted`: the request's place was taken
+        already (a later phase of an admitted request), so it is not refused for a full server.
 
-        Raises before anything is sent: ValueError when the rid is already running or the
-        message cannot be packed, Overloaded when the server is full, ServerUnavailable when it
-        can serve no more; ServerUnavailable also ends a request under way when a child dies. If
-        the consumer stops iterating before the end (a client went away), the request is aborted
-        in the scheduler.
+        Raises at once, leaving nothing registered: ValueError when the rid is already running
+        or the message cannot be packed, Overloaded when the server is full, ServerUnavailable
+        when it can serve no more. Reading the stream raises ServerUnavailable when a child dies.
         """
         if self.unavailable is not None:
             raise ServerUnavailable(self.unavailable)
         if msg.rid in self._states:
             raise ValueError(f"rid: {msg.rid!r} is already running")
-        if self.is_full():
+        if not admitted and self.is_full():
             self.metrics.on_rejected("queue_full")
             raise Overloaded(f"the server holds {len(self._states)} requests, its limit; retry later")
         try:  # packed before it is registered: a failure leaves no rid behind
@@ -135,35 +185,26 @@ class TokenizerManager:
             raise ValueError(f"body: cannot be sent to the scheduler ({e})") from None
         state = _ReqState(msg=msg, text_in_logprobs=text_in_logprobs, created=time.perf_counter())
         self._states[msg.rid] = state
-        try:
-            await self._send.send(payload)
-            while True:
-                await state.event.wait()
-                state.event.clear()
-                if state.error is not None:
-                    raise ServerUnavailable(state.error)
-                if state.finish_reason is not None or msg.stream:
-                    yield self._result(state)
-                if state.finish_reason is not None:
-                    return
-        finally:
-            self._states.pop(msg.rid, None)
-            if state.finish_reason is None and self.unavailable is None:
-                await self.abort(msg.rid)
-            self.metrics.on_request_end(state)
+        return RequestStream(self, state, payload)
 
-    async def generate_once(self, msg: TokenizedGenerateReq, text_in_logprobs: bool = False) -> dict[str, Any]:
-        result = None
-        async for result in self.generate(dataclasses.replace(msg, stream=False), text_in_logprobs):
-            pass
-        return result
+    async def generate_once(self, msg: TokenizedGenerateReq, admitted: bool = False) -> dict[str, Any]:
+        """The whole result of `msg`, run without streaming."""
+        whole = ResultBuilder()
+        stream = self.generate(dataclasses.replace(msg, stream=False), admitted=admitted)
+        try:
+            async for chunk in stream:
+                whole.add(chunk)
+        finally:
+            await stream.aclose()
+        return whole.result()
 
     async def cache_prompt(self, msg: TokenizedGenerateReq) -> None:
         """Prefills a prompt without generating, so n samples after it share its KV (under the
-        same cache salt: a salted prompt is cached for that salt only)."""
+        same cache salt: a salted prompt is cached for that salt only). It takes no place of its
+        own: the samples it runs for were admitted and wait for it."""
         warm = TokenizedGenerateReq(rid=uuid.uuid4().hex, input_ids=msg.input_ids,
                                     sampling_params=SamplingParams(max_new_tokens=0), cache_salt=msg.cache_salt)
-        await self.generate_once(warm)
+        await self.generate_once(warm, admitted=True)
 
     async def abort(self, rid: str, abort_all: bool = False) -> None:
         await self._send.send(io_struct.encode(AbortReq(rid=rid, abort_all=abort_all)))
@@ -210,8 +251,9 @@ class TokenizerManager:
             elif state.last_token_time is not None:
                 self.metrics.observe_itl((now - state.last_token_time) / len(o.new_token_ids))
             state.last_token_time = now
-        state.text += out.text_delta
-        state.output_ids.extend(o.new_token_ids)
+        state.texts.append(out.text_delta)
+        state.ids.extend(o.new_token_ids)
+        state.completion_tokens += len(o.new_token_ids)
         state.cached_tokens = o.cached_tokens
         state.spec_verify_ct, state.spec_accepted = o.spec_verify_ct, o.spec_accepted
         record = state.logprobs
@@ -223,9 +265,20 @@ class TokenizerManager:
             state.finish_reason = o.finish_reason
         state.event.set()
 
-    def _result(self, state: _ReqState) -> dict[str, Any]:
+    def _chunk(self, state: _ReqState) -> dict[str, Any]:
+        """What arrived since the last chunk, as a result; the state starts collecting anew."""
         # The detokenizer trimmed stop strings and stop regex matches, streamed or not.
-        progress = Progress(text=state.text, output_ids=state.output_ids, cached_tokens=state.cached_tokens,
-                            finish_reason=state.finish_reason, e2e_latency=time.perf_counter() - state.created,
-                            logprobs=state.logprobs, spec_verify_ct=state.spec_verify_ct)
-        return result(state.msg, progress, self.tokenizer, state.text_in_logprobs)
+        progress = Progress(prompt_tokens=state.prompt_tokens, completion_tokens=state.completion_tokens,
+                            cached_tokens=state.cached_tokens, finish_reason=state.finish_reason,
+                            e2e_latency=time.perf_counter() - state.created, spec_verify_ct=state.spec_verify_ct)
+        text = state.texts[0] if len(state.texts) == 1 else "".join(state.texts)
+        chunk = result(state.msg, text, state.ids, progress, state.logprobs,
+                       self._token_texts if state.text_in_logprobs else None)
+        state.texts, state.ids, state.logprobs = [], [], LogprobRecord()
+        return chunk
+
+    def _end(self, state: _ReqState) -> None:
+        if not state.ended:
+            state.ended = True
+            self._states.pop(state.rid, None)
+            self.metrics.on_request_end(state)

@@ -15,14 +15,15 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 from pydantic import ValidationError
 
-from ..chat_completions import ChatCompletions, ChatRun
-from ..openai_common import as_openai_error, error_response, json_response, parse_body
+from ..chat import ChatOptions
+from ..chat_run import ChatChoices, ChatRun, prepare_chat
+from ..openai_common import (OpenAIContext, as_openai_error, error_response, json_response, open_runner,
+                             parse_body, run_whole)
 from ..openai_protocol import ChatCompletionRequest, OpenAIError, finish_reason_of
 from ..streaming import EventStream
 from ..tool_calls.parsers import ToolCall
-from .protocol import (EventWriter, ResponsesRequest, function_call_item, input_messages,
-                       message_item, new_id, reasoning_item,
-                       response_object, usage_of)
+from .protocol import (EventWriter, ResponsesRequest, function_call_item, input_messages, message_item,
+                       new_id, reasoning_item, response_object, usage_of)
 from .store import ResponseStore, StoredTurn
 
 _RENAMES = {"max_completion_tokens": "max_output_tokens", "response_format": "text.format",
@@ -30,8 +31,9 @@ _RENAMES = {"max_completion_tokens": "max_output_tokens", "response_format": "te
 
 
 class ResponsesRoutes:
-    def __init__(self, chat: ChatCompletions, store: ResponseStore | None = None):
-        self.chat = chat
+    def __init__(self, api: OpenAIContext, options: ChatOptions, store: ResponseStore | None = None):
+        self.api = api
+        self.options = options
         self.store = store or ResponseStore()
 
     def register(self, app: FastAPI) -> None:
@@ -57,15 +59,20 @@ class ResponsesRoutes:
         except OpenAIError as e:
             return error_response(e)
         response_id = new_id("resp")
+        runner = await open_runner(self.api.tm_getter(), run.msgs, run.renames,
+                                   (lambda e: self._failed(body, response_id, e)) if body.stream else None)
+        if isinstance(runner, Response):
+            return runner
+        choices = ChatChoices(self.api.tm_getter(), run, runner)
         if body.stream:
-            return EventStream(self._stream(body, history, run, response_id))
-        finals = await self.chat.run_to_end(run, request)
+            return EventStream(self._stream(body, history, choices, response_id), on_close=runner.close)
+        finals = await run_whole(request, runner, choices.run_to_end(), run.renames)
         if isinstance(finals, Response):
             return finals
         final = finals[0]
         message, _ = run.turn.message(final["text"])
         output = _output_items(message)
-        response = self._respond(body, response_id, output, run, final)
+        response = self._respond(body, response_id, output, choices, final)
         self._remember(body, history, message, response)
         return json_response(response)
 
@@ -97,15 +104,15 @@ class ResponsesRoutes:
             raise OpenAIError.from_value_error(e, {}) if not isinstance(e, ValidationError) \
                 else OpenAIError.from_validation_error(e) from None
         try:
-            return history, self.chat.prepare(request)
+            return history, prepare_chat(self.api.tm_getter(), request, self.options)
         except OpenAIError as e:
             raise _renamed(e) from None
 
-    def _respond(self, body: ResponsesRequest, response_id: str, output: list[dict[str, Any]], run: ChatRun,
-                 final: dict[str, Any]) -> dict[str, Any]:
-        usage = run.usage()
+    def _respond(self, body: ResponsesRequest, response_id: str, output: list[dict[str, Any]],
+                 choices: ChatChoices, final: dict[str, Any]) -> dict[str, Any]:
+        usage = choices.usage()
         cut = finish_reason_of(final["meta_info"]) == "length"
-        return response_object(body, response_id, self.chat.api.model_name, output,
+        return response_object(body, response_id, self.api.model_name, output,
                                usage_of(usage["prompt_tokens"], usage["completion_tokens"],
                                         usage["prompt_tokens_details"]["cached_tokens"]),
                                status="incomplete" if cut else "completed",
@@ -120,42 +127,38 @@ class ResponsesRoutes:
             said["tool_calls"] = message["tool_calls"]
         self.store.put(response["id"], StoredTurn(history + [said], body.instructions, response))
 
-    async def _stream(self, body: ResponsesRequest, history: list[dict[str, Any]], run: ChatRun,
+    async def _failed(self, body: ResponsesRequest, response_id: str, e: Exception) -> AsyncIterator[bytes]:
+        """A stream whose request could not start: it opens as any other, then fails."""
+        events = EventWriter()
+        started = response_object(body, response_id, self.api.model_name, [], None, status="in_progress")
+        yield events.event("response.created", response=started)
+        yield events.event("response.in_progress", response=started)
+        error = as_openai_error(e, _RENAMES)
+        yield events.event("error", code=error.code, message=error.message, param=error.param)
+
+    async def _stream(self, body: ResponsesRequest, history: list[dict[str, Any]], choices: ChatChoices,
                       response_id: str) -> AsyncIterator[bytes]:
         events = EventWriter()
         items = _StreamedItems(events)
-        stream = run.turn.stream()
-        text = {"reasoning": "", "answer": ""}
-        started = response_object(body, response_id, self.chat.api.model_name, [], None, status="in_progress")
+        started = response_object(body, response_id, self.api.model_name, [], None, status="in_progress")
         yield events.event("response.created", response=started)
         yield events.event("response.in_progress", response=started)
         final = None
         try:
-            async for _, phase, out in self.chat.results(run):
-                delta = out["text"][len(text[phase]):]
-                text[phase] = out["text"]
-                if phase == "reasoning":
-                    for chunk in items.apply(stream.feed_reasoning(delta)):
-                        yield chunk
-                    if finish_reason_of(out["meta_info"]) is not None:
-                        run.reasoning_finals[0] = out
-                        final = out
-                    continue
-                deltas = stream.feed_answer(delta) if 0 in run.reasoning_finals else stream.feed(delta)
-                if finish_reason_of(out["meta_info"]) is not None:
-                    deltas += stream.finish()
-                    final = out
-                    run.finals[0] = out
-                for chunk in items.apply(deltas):
+            async for event in choices.events():
+                for chunk in items.apply(event.deltas + event.closing):
                     yield chunk
+                if event.final:
+                    final = event.chunk
         except Exception as e:
             error = as_openai_error(e, _RENAMES)
             yield events.event("error", code=error.code, message=error.message, param=error.param)
             return
-        run.finals.setdefault(0, final)
+        finally:
+            await choices.runner.close()
         for chunk in items.close_all():
             yield chunk
-        response = self._respond(body, response_id, items.output, run, final)
+        response = self._respond(body, response_id, items.output, choices, final)
         message = _message_of(items.output)
         self._remember(body, history, message, response)
         yield events.event("response.completed", response=response)

@@ -1,0 +1,187 @@
+"""A chat request run to its choices' answers, for /v1/chat/completions and /v1/responses.
+
+`prepare_chat` renders a checked request's turn (chat.py) and its samples; `ChatChoices` runs
+them. A choice answers in one phase, or in two when its answer is constrained (tool_choice
+required or named, response_format) while the server parses reasoning: the reasoning, stopped
+at its closing tag, then the constrained answer after it (its prompt extends the first, so it
+hits the cache). ChatChoices holds that state for every choice, and for a stream each choice's
+ChatStream, which reads the text as chat deltas (reasoning_content, content, tool_calls); the
+routes only format what it hands out.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator
+
+from ..io_struct import TokenizedGenerateReq
+from ..results import ResultBuilder
+from .chat import ChatOptions, ChatStream, ChatTurn, after_reasoning, prepare_turn
+from .openai_common import check_fits, samples, tokenize
+from .openai_protocol import ChatCompletionRequest, OpenAIError, samples_usage, usage
+from .request_runner import RequestRunner
+from .tokenizer_manager import TokenizerManager
+from .tool_calls.reasoning import CLOSE
+
+_RENAMES = {"min_new_tokens": "min_tokens", "text": "messages", "input_ids": "messages",
+            "top_logprobs_num": "top_logprobs"}
+REASONING, ANSWER = "reasoning", "answer"
+
+
+@dataclass(frozen=True)
+class ChatRun:
+    """A prepared request: its turn, and one first-phase sample per choice."""
+
+    body: ChatCompletionRequest
+    turn: ChatTurn
+    renames: dict[str, str]
+    max_new: int
+    msgs: list[TokenizedGenerateReq]
+
+    @property
+    def two_phase(self) -> bool:
+        return self.turn.constrain_after_reasoning
+
+
+def prepare_chat(tm: TokenizerManager, body: ChatCompletionRequest, options: ChatOptions) -> ChatRun:
+    """Raises OpenAIError naming the field (as this request names it)."""
+    max_field = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+    renames = {**_RENAMES, "max_new_tokens": max_field}
+    messages = [m.as_dict(i) for i, m in enumerate(body.messages)]
+    response_schema = body.schema_from_response_format()
+    try:
+        turn = prepare_turn(tm.tokenizer, messages, body.tools, body.tool_choice, body.parallel_tool_calls,
+                            options, response_schema)
+    except ValueError as e:
+        raise OpenAIError.from_value_error(e, renames) from None
+    if turn.tools.constrained:
+        renames["json_schema"] = "tools"
+    elif response_schema is not None:
+        json_object = body.response_format.type == "json_object"
+        renames["json_schema"] = "response_format" if json_object else "response_format.json_schema.schema"
+    ids = tokenize(tm, turn.prompt, renames)  # the template already holds BOS and special tokens
+    max_new = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    if max_new is None:
+        max_new = tm.context_len - len(ids)
+    check_fits(tm, len(ids), max_new, max_field)
+    if turn.constrain_after_reasoning:
+        msgs = _samples(tm, body, renames, ids, max_new, None, stop=[CLOSE], n=body.n)
+    else:
+        msgs = _samples(tm, body, renames, ids, max_new, turn.json_schema, n=body.n)
+    return ChatRun(body, turn, renames, max_new, msgs)
+
+
+def _samples(tm: TokenizerManager, body: ChatCompletionRequest, renames: dict[str, str], ids: list[int],
+             max_new: int, schema: str | None, stop: list[str] = (), n: int = 1,
+             seed_offset: int = 0) -> list[TokenizedGenerateReq]:
+    """n samples (sample i seeded seed + seed_offset + i, with a seed)."""
+    params = body.sampling_params(max_new)
+    params["n"] = n
+    if schema is not None:
+        params["json_schema"] = schema
+    if stop:
+        existing = params.get("stop") or []
+        params["stop"] = ([existing] if isinstance(existing, str) else list(existing)) + list(stop)
+    if seed_offset and params.get("seed") is not None:
+        params["seed"] += seed_offset
+    return samples(tm, ids, params, renames, return_logprob=body.logprobs, top_logprobs_num=body.top_logprobs or 0,
+                   stream=body.stream, cache_salt=body.cache_salt)
+
+
+@dataclass(frozen=True)
+class ChoiceEvent:
+    """A chunk of one choice, as ChatChoices hands it out."""
+
+    index: int
+    phase: str  # REASONING (the first of two phases) or ANSWER
+    chunk: dict[str, Any]  # the chunk (results.py), of this phase's request
+    final: bool  # the choice ended with this chunk (its finish reason is the chunk's)
+    deltas: list[dict[str, Any]] = field(default_factory=list)  # chat deltas of the chunk's text (streams)
+    closing: list[dict[str, Any]] = field(default_factory=list)  # what the stream held back, at the end
+
+
+@dataclass
+class _Choice:
+    phase: str
+    stream: ChatStream | None  # None: not streamed
+    results: dict[str, ResultBuilder] = field(default_factory=dict)  # per phase
+
+
+class ChatChoices:
+    """Every choice of one ChatRun as it runs (through `runner`, which admitted them)."""
+
+    def __init__(self, tm: TokenizerManager, run: ChatRun, runner: RequestRunner):
+        self._tm = tm
+        self.run = run
+        self.runner = runner
+        first = REASONING if run.two_phase else ANSWER
+        self._choices = [_Choice(first, run.turn.stream() if run.body.stream else None) for _ in run.msgs]
+
+    async def events(self) -> AsyncIterator[ChoiceEvent]:
+        """Every choice's chunks, as they come, each phase after the other; raises as the
+        runner's chunks() does."""
+        async for index, chunk in self.runner.chunks():
+            choice = self._choices[index]
+            phase = choice.phase
+            choice.results.setdefault(phase, ResultBuilder()).add(chunk)
+            final = chunk["meta_info"]["finish_reason"] is not None
+            if final and phase == REASONING:
+                final = not self._answer_after_reasoning(index, choice)
+            yield self._event(index, choice, phase, chunk, final)
+
+    async def run_to_end(self) -> list[dict[str, Any]]:
+        """Each choice's whole result, its text the reasoning and the answer of both phases."""
+        async for _ in self.events():
+            pass
+        return [self.result(i) for i in range(len(self._choices))]
+
+    def result(self, index: int) -> dict[str, Any]:
+        """The choice's whole result: that of its last phase, with the whole text."""
+        results = self._choices[index].results
+        whole = results.get(ANSWER, results.get(REASONING)).result()
+        if REASONING in results and ANSWER in results:
+            whole["text"] = results[REASONING].text + CLOSE + whole["text"]
+        return whole
+
+    def called_tools(self, index: int) -> bool:
+        stream = self._choices[index].stream
+        return stream is not None and stream.called_tools
+
+    def usage(self) -> dict[str, Any]:
+        if not self.run.two_phase:
+            metas = [c.results[ANSWER].meta for c in self._choices]
+            return samples_usage([len(self.run.msgs[0].input_ids)], [len(metas)], metas)
+        # The prompt counts once; the answers' prompts extend it (and hit the cache).
+        firsts = [c.results[REASONING].meta for c in self._choices if REASONING in c.results]
+        answers = [c.results[ANSWER].meta for c in self._choices if ANSWER in c.results]
+        completion = sum(m["completion_tokens"] for m in firsts + answers)
+        return usage(firsts[0]["prompt_tokens"] if firsts else 0, completion,
+                     min((m["cached_tokens"] for m in firsts), default=0))
+
+    def _answer_after_reasoning(self, index: int, choice: _Choice) -> bool:
+        """Starts the answer phase of a choice whose reasoning closed with tokens left; False
+        when the choice ended while reasoning (there is no answer to constrain)."""
+        first = choice.results[REASONING]
+        reason = first.meta["finish_reason"]
+        left = self.run.max_new - first.meta["completion_tokens"]
+        if reason.get("type") != "stop" or reason.get("matched") != CLOSE or left <= 0:
+            return False
+        run = self.run
+        ids = tokenize(self._tm, after_reasoning(run.turn, first.text), run.renames)
+        [msg] = _samples(self._tm, run.body, run.renames, ids, left, run.turn.json_schema, seed_offset=index)
+        self.runner.follow(index, msg)
+        choice.phase = ANSWER
+        return True
+
+    def _event(self, index: int, choice: _Choice, phase: str, chunk: dict[str, Any], final: bool) -> ChoiceEvent:
+        stream = choice.stream
+        if stream is None:
+            return ChoiceEvent(index, phase, chunk, final)
+        text = chunk["text"]
+        if phase == REASONING:
+            return ChoiceEvent(index, phase, chunk, final, stream.feed_reasoning(text))
+        if self.run.two_phase:
+            deltas = stream.feed_answer(text)
+        else:
+            deltas = stream.feed(text) if text else []
+        return ChoiceEvent(index, phase, chunk, final, deltas, stream.finish() if final else [])
