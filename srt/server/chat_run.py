@@ -104,7 +104,10 @@ class ChoiceEvent:
 class _Choice:
     phase: str
     stream: ChatStream | None  # None: not streamed
-    results: dict[str, ResultBuilder] = field(default_factory=dict)  # per phase
+    metas: dict[str, dict[str, Any]] = field(default_factory=dict)  # per phase: its latest meta_info
+    # Per phase, the whole result, where it is needed: a whole answer, or the reasoning that
+    # the answer's prompt extends (a streamed answer keeps nothing).
+    wholes: dict[str, ResultBuilder] = field(default_factory=dict)
 
 
 class ChatChoices:
@@ -123,7 +126,9 @@ class ChatChoices:
         async for index, chunk in self.runner.chunks():
             choice = self._choices[index]
             phase = choice.phase
-            choice.results.setdefault(phase, ResultBuilder()).add(chunk)
+            choice.metas[phase] = chunk["meta_info"]
+            if choice.stream is None or phase == REASONING:
+                choice.wholes.setdefault(phase, ResultBuilder()).add(chunk)
             final = chunk["meta_info"]["finish_reason"] is not None
             if final and phase == REASONING:
                 final = not self._answer_after_reasoning(index, choice)
@@ -136,11 +141,11 @@ class ChatChoices:
         return [self.result(i) for i in range(len(self._choices))]
 
     def result(self, index: int) -> dict[str, Any]:
-        """The choice's whole result: that of its last phase, with the whole text."""
-        results = self._choices[index].results
-        whole = results.get(ANSWER, results.get(REASONING)).result()
-        if REASONING in results and ANSWER in results:
-            whole["text"] = results[REASONING].text + CLOSE + whole["text"]
+        """A choice not streamed, whole: the result of its last phase, with the whole text."""
+        wholes = self._choices[index].wholes
+        whole = wholes.get(ANSWER, wholes.get(REASONING)).result()
+        if REASONING in wholes and ANSWER in wholes:
+            whole["text"] = wholes[REASONING].text + CLOSE + whole["text"]
         return whole
 
     def called_tools(self, index: int) -> bool:
@@ -149,11 +154,11 @@ class ChatChoices:
 
     def usage(self) -> dict[str, Any]:
         if not self.run.two_phase:
-            metas = [c.results[ANSWER].meta for c in self._choices]
+            metas = [c.metas[ANSWER] for c in self._choices]
             return samples_usage([len(self.run.msgs[0].input_ids)], [len(metas)], metas)
         # The prompt counts once; the answers' prompts extend it (and hit the cache).
-        firsts = [c.results[REASONING].meta for c in self._choices if REASONING in c.results]
-        answers = [c.results[ANSWER].meta for c in self._choices if ANSWER in c.results]
+        firsts = [c.metas[REASONING] for c in self._choices if REASONING in c.metas]
+        answers = [c.metas[ANSWER] for c in self._choices if ANSWER in c.metas]
         completion = sum(m["completion_tokens"] for m in firsts + answers)
         return usage(firsts[0]["prompt_tokens"] if firsts else 0, completion,
                      min((m["cached_tokens"] for m in firsts), default=0))
@@ -161,7 +166,7 @@ class ChatChoices:
     def _answer_after_reasoning(self, index: int, choice: _Choice) -> bool:
         """Starts the answer phase of a choice whose reasoning closed with tokens left; False
         when the choice ended while reasoning (there is no answer to constrain)."""
-        first = choice.results[REASONING]
+        first = choice.wholes[REASONING]
         reason = first.meta["finish_reason"]
         left = self.run.max_new - first.meta["completion_tokens"]
         if reason.get("type") != "stop" or reason.get("matched") != CLOSE or left <= 0:

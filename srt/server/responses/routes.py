@@ -172,6 +172,8 @@ class _StreamedItems:
         self.output: list[dict[str, Any]] = []
         self.open: dict[str, Any] | None = None  # the item receiving deltas
         self.calls: dict[int, dict[str, Any]] = {}  # tool call index -> its function_call item
+        # Item id -> the text (or a call's arguments) so far, joined once, when the item closes.
+        self._pieces: dict[str, list[str]] = {}
 
     def apply(self, deltas: list[dict[str, Any]]) -> list[bytes]:
         out: list[bytes] = []
@@ -179,12 +181,12 @@ class _StreamedItems:
             if delta.get("reasoning_content"):
                 out += self._ensure("reasoning")
                 item, piece = self.open, delta["reasoning_content"]
-                item["content"][0]["text"] += piece
+                self._pieces[item["id"]].append(piece)
                 out.append(self._event("response.reasoning_text.delta", item, content_index=0, delta=piece))
             if delta.get("content"):
                 out += self._ensure("message")
                 item, piece = self.open, delta["content"]
-                item["content"][0]["text"] += piece
+                self._pieces[item["id"]].append(piece)
                 out.append(self._event("response.output_text.delta", item, content_index=0, delta=piece, logprobs=[]))
             for call in delta.get("tool_calls") or []:
                 out += self._call(call)
@@ -195,6 +197,7 @@ class _StreamedItems:
         for item in self.calls.values():
             if item["status"] == "in_progress":
                 item["status"] = "completed"
+                item["arguments"] = "".join(self._pieces.pop(item["id"]))
                 out.append(self._event("response.function_call_arguments.done", item, arguments=item["arguments"],
                                        name=item["name"]))
                 out.append(self._item_event("response.output_item.done", item))
@@ -208,6 +211,7 @@ class _StreamedItems:
         item["status"] = "in_progress"
         self.output.append(item)
         self.open = item
+        self._pieces[item["id"]] = []
         out.append(self._item_event("response.output_item.added", item))
         part = item["content"][0]
         out.append(self._event("response.content_part.added", item, content_index=0, part={**part, "text": ""}))
@@ -219,6 +223,7 @@ class _StreamedItems:
             return []
         item["status"] = "completed"
         part = item["content"][0]
+        part["text"] = "".join(self._pieces.pop(item["id"]))
         done = "response.reasoning_text.done" if item["type"] == "reasoning" else "response.output_text.done"
         extra = {"logprobs": []} if item["type"] == "message" else {}
         return [self._event(done, item, content_index=0, text=part["text"], **extra),
@@ -235,10 +240,11 @@ class _StreamedItems:
             item = function_call_item(ToolCall(fn.get("name", ""), "", call.get("id", "")), status="in_progress")
             self.calls[index] = item
             self.output.append(item)
+            self._pieces[item["id"]] = []
             out.append(self._item_event("response.output_item.added", item))
         piece = fn.get("arguments") or ""
         if piece:
-            item["arguments"] += piece
+            self._pieces[item["id"]].append(piece)
             out.append(self._event("response.function_call_arguments.delta", item, delta=piece))
         return out
 
