@@ -15,6 +15,10 @@ route. Since nothing else runs here and the peer waits for each event, that is t
 work per chunk. The baseline is the start of the same stream: a stream whose chunks cost the
 same at its end as at its start has end / start near 1 (goal: <= 1.5).
 
+/generate's events hold everything so far (SGLang's default, which clients rely on), so its
+events grow with the stream, logprobs most: `--routes "/generate without logprobs"` measures
+the same stream with the text and ids only.
+
     python -m benchmarks.bench_stream [--tokens 8000] [--out benchmarks/results/cpu_stream.jsonl]
 """
 
@@ -35,6 +39,7 @@ import sys
 import tempfile
 import time
 from collections import defaultdict
+from dataclasses import dataclass
 from typing import Any
 
 from .harness import Reporter, command_line, free_port, ratio
@@ -44,26 +49,35 @@ WINDOW = 200  # chunks in each of the start and end medians
 TOP_K = 5
 PROMPT = "Tell a long story."
 
-ROUTES: dict[str, dict[str, Any]] = {
-    "/generate": {"text": PROMPT, "stream": True, "return_logprob": True, "top_logprobs_num": TOP_K,
-                  "return_text_in_logprobs": True, "sampling_params": {"ignore_eos": True}},
-    "/v1/completions": {"model": "bench", "prompt": PROMPT, "stream": True, "logprobs": TOP_K},
-    "/v1/chat/completions": {"model": "bench", "messages": [{"role": "user", "content": PROMPT}],
-                             "stream": True, "logprobs": True, "top_logprobs": TOP_K},
+
+@dataclass(frozen=True)
+class Case:
+    path: str
+    body: dict[str, Any]
+    events_before_tokens: int = 0  # SSE events before the first token's (the chat stream opens with the role)
+
+    def request(self, tokens: int) -> dict[str, Any]:
+        body = json.loads(json.dumps(self.body))
+        if self.path == "/generate":
+            body["sampling_params"]["max_new_tokens"] = tokens
+        else:
+            body["max_tokens"] = tokens
+        return body
+
+
+NATIVE = {"text": PROMPT, "stream": True, "sampling_params": {"ignore_eos": True}}
+CASES = {
+    "/generate": Case("/generate", {**NATIVE, "return_logprob": True, "top_logprobs_num": TOP_K,
+                                    "return_text_in_logprobs": True}),
+    "/v1/completions": Case("/v1/completions", {"model": "bench", "prompt": PROMPT, "stream": True,
+                                                "logprobs": TOP_K}),
+    "/v1/chat/completions": Case("/v1/chat/completions", {
+        "model": "bench", "messages": [{"role": "user", "content": PROMPT}], "stream": True, "logprobs": True,
+        "top_logprobs": TOP_K}, events_before_tokens=1),
+    # Not in the default set: /generate without logprobs, whose events hold only the text and ids so far.
+    "/generate without logprobs": Case("/generate", NATIVE),
 }
-# SSE events a route sends before its first token: the chat stream opens with the role.
-EVENTS_BEFORE_TOKENS = {"/generate": 0, "/v1/completions": 0, "/v1/chat/completions": 1}
-
-
-# ---- the scripted scheduler + detokenizer, and the client (a child process) ---------------------
-
-def _body_for(path: str, tokens: int) -> dict[str, Any]:
-    body = json.loads(json.dumps(ROUTES[path]))
-    if path == "/generate":
-        body["sampling_params"]["max_new_tokens"] = tokens
-    else:
-        body["max_tokens"] = tokens
-    return body
+DEFAULT_CASES = ["/generate", "/v1/completions", "/v1/chat/completions"]
 
 
 def _token_message(io_struct: Any, rid: str, k: int, tokens: int, prompt_len: int, rng: random.Random) -> bytes:
@@ -113,13 +127,13 @@ def drive(port: int, scheduler_addr: str, tm_addr: str, tokens: int, conn: Any) 
     outputs.connect(tm_addr)
     rng = random.Random(0)
     with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=600) as client:
-        while (path := conn.recv()) is not None:
-            sent_ns = []
-            with client.stream("POST", path, json=_body_for(path, tokens)) as response:
+        while (name := conn.recv()) is not None:
+            case, sent_ns = CASES[name], []
+            with client.stream("POST", case.path, json=case.request(tokens)) as response:
                 if response.status_code != 200:
-                    raise RuntimeError(f"{path}: {response.status_code} {response.read()[:500]!r}")
+                    raise RuntimeError(f"{name}: {response.status_code} {response.read()[:500]!r}")
                 events = _Events(response)
-                before = EVENTS_BEFORE_TOKENS[path]
+                before = case.events_before_tokens
                 events.wait_for(before)
                 msg = io_struct.decode(requests.recv())
                 for k in range(tokens):
@@ -161,16 +175,16 @@ def _median_us(values: list[int]) -> float:
     return round(statistics.median(values) / 1000, 1)
 
 
-def _figures(path: str, records: list[tuple[int, int, int]], sent_ns: list[int], tokens: int) -> dict[str, Any]:
-    first = EVENTS_BEFORE_TOKENS[path]
+def _figures(name: str, records: list[tuple[int, int, int]], sent_ns: list[int], tokens: int) -> dict[str, Any]:
+    first = CASES[name].events_before_tokens
     chunks = records[first:first + tokens]  # chunk k carries token k
     if len(chunks) != tokens:
-        raise RuntimeError(f"{path}: {len(chunks)} token events for {tokens} tokens")
+        raise RuntimeError(f"{name}: {len(chunks)} token events for {tokens} tokens")
     cpu = [chunks[k][1] - chunks[k - 1][1] for k in range(1, tokens)]
     wall = [chunks[k][0] - sent_ns[k] for k in range(tokens)]
     window = min(WINDOW, tokens // 4)
     start, end = _median_us(cpu[:window]), _median_us(cpu[-window:])
-    return {"route": path, "start_us": start, "end_us": end, "ratio": ratio(end, start), "goal": GOAL,
+    return {"route": name, "start_us": start, "end_us": end, "ratio": ratio(end, start), "goal": GOAL,
             "met": end / start <= GOAL, "wall_start_us": _median_us(wall[:window]),
             "wall_end_us": _median_us(wall[-window:]), "last_chunk_bytes": chunks[-1][2]}
 
@@ -202,10 +216,10 @@ async def _serve_and_measure(tokens: int, routes: list[str]) -> list[dict[str, A
     driver.start()
     results = []
     try:
-        for path in routes:
-            ours.send(path)
+        for name in routes:
+            ours.send(name)
             sent_ns = await asyncio.to_thread(ours.recv)
-            results.append(_figures(path, probe.records.pop(path), sent_ns, tokens))
+            results.append(_figures(name, probe.records.pop(CASES[name].path), sent_ns, tokens))
             print(json.dumps(results[-1]), file=sys.stderr, flush=True)
         ours.send(None)
         await asyncio.to_thread(driver.join, 60)
@@ -234,7 +248,7 @@ def _code_version() -> str:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", type=int, default=8000, help="tokens per stream")
-    parser.add_argument("--routes", nargs="+", default=list(ROUTES), choices=list(ROUTES))
+    parser.add_argument("--routes", nargs="+", default=DEFAULT_CASES, choices=list(CASES))
     parser.add_argument("--label", default="", help="what the measured code is (e.g. 'before', 'after')")
     parser.add_argument("--out", default=None, help="JSONL file to append the results to")
     args = parser.parse_args(argv)
