@@ -1,8 +1,8 @@
 """What the benchmarks share, and the tests with them: timing, one JSON line per result, and
 `radixlm serve` / `radixlm router` processes started, waited for and stopped.
 
-A result line names the baseline it was measured against in the same run; `ratio` is the one
-way such a line divides its figure by the baseline's.
+A result line names the baseline it was measured against in the same run, and `ratio` divides
+a figure by its baseline's.
 """
 
 from __future__ import annotations
