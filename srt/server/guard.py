@@ -9,7 +9,7 @@ import collections
 import math
 import secrets
 import time
-from typing import Any, Callable
+from typing import Any
 
 from .errors import error_response
 
@@ -22,11 +22,10 @@ class _BodyTooLarge(Exception):
     pass
 
 
-async def run_with_body_cap(app: Any, scope: Any, receive: Any, send: Any, max_bytes: int,
-                            refusal: Callable[[], Any]) -> None:
-    """Runs `app`, refusing with the ASGI app `refusal()` returns (413) once the body passes
-    `max_bytes` (a chunked body has no content-length to check first), unless the answer has
-    started. `refusal` is called only then: it counts the refusal."""
+async def run_with_body_cap(app: Any, scope: Any, receive: Any, send: Any, max_bytes: int, refuse: Any) -> None:
+    """Runs `app`, refusing with the ASGI app `refuse` (413) once the body passes `max_bytes`
+    (a chunked body has no content-length to check first), unless the answer has started.
+    `refuse` runs only then (so it may count the refusal)."""
     received = 0
     started = False
 
@@ -47,7 +46,7 @@ async def run_with_body_cap(app: Any, scope: Any, receive: Any, send: Any, max_b
         await app(scope, counting_receive, tracking_send)
     except _BodyTooLarge:
         if not started:
-            await refusal()(scope, receive, send)
+            await refuse(scope, receive, send)
 
 
 def bearer_token(authorization: bytes) -> bytes | None:
@@ -105,6 +104,10 @@ class Guard:
     def _body_too_large(self) -> Any:
         return self._refuse("body_too_large", 413, f"request body over {self.max_bytes} bytes (--max-request-bytes)")
 
+    async def _refuse_body_too_large(self, scope: Any, receive: Any, send: Any) -> None:
+        """The 413 as an ASGI app, built (and counted) only when a body is refused."""
+        await self._body_too_large()(scope, receive, send)
+
     def _check(self, scope: Any, headers: dict[bytes, bytes]) -> Any:
         length = headers.get(b"content-length", b"0")
         if not length.isdigit() or int(length) > self.max_bytes:
@@ -134,4 +137,4 @@ class Guard:
         refusal = self._check(scope, dict(scope["headers"]))
         if refusal is not None:
             return await refusal(scope, receive, send)
-        await run_with_body_cap(self.app, scope, receive, send, self.max_bytes, self._body_too_large)
+        await run_with_body_cap(self.app, scope, receive, send, self.max_bytes, self._refuse_body_too_large)
