@@ -20,8 +20,9 @@ class EventStream(StreamingResponse):
 
     media_type = "text/event-stream"
 
-    def __init__(self, body: AsyncIterator[bytes], on_close: Callable[[], Awaitable[None]] | None = None):
-        super().__init__(body)
+    def __init__(self, body: AsyncIterator[bytes], on_close: Callable[[], Awaitable[None]] | None = None,
+                 **response_kwargs: Any):
+        super().__init__(body, **response_kwargs)  # the router passes the worker's headers along
         self._on_close = on_close
 
     async def stream_response(self, send: Any) -> None:
