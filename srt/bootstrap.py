@@ -34,9 +34,10 @@ def bootstrap_rank(args: ServerArgs, rank: int = 0, local_rank: int = 0, dist_ad
     """Takes the rank's device (its GPU, or its share of the CPU cores), loads its shard of the
     weights there and, with tp_size > 1, joins the other ranks at `dist_addr` (host:port)."""
     device = parallel.prepare_rank(args, local_rank)
-    loaded = load_model(args.model_path, dtype=args.resolved_dtype(), load_format=args.load_format,
-                        tokenizer_path=args.tokenizer_path, device=device, tensor_parallel=(rank, args.tp_size))
-    tp = parallel.init_tensor_parallel(args, rank, local_rank, dist_addr) if args.tp_size > 1 else \
+    loaded = load_model(args.model.model_path, dtype=args.model.resolved_dtype(), load_format=args.model.load_format,
+                        tokenizer_path=args.model.tokenizer_path, device=device,
+                        tensor_parallel=(rank, args.parallel.tp_size))
+    tp = parallel.init_tensor_parallel(args, rank, local_rank, dist_addr) if args.parallel.tp_size > 1 else \
         parallel.TensorParallel()
     return Rank(device, loaded, tp)
 
@@ -73,8 +74,9 @@ def build_follower(rank: Rank, args: ServerArgs) -> Follower:
     its own, so that every slot and row means the same on all ranks."""
     args = args.with_device_defaults()  # as rank 0's Scheduler does: the same table rows
     capacity = kv_slots_for(rank.loaded.config, args, rank.tp)
-    context_len = args.context_length or rank.loaded.config.context_len
-    table = np.zeros((args.max_running_requests, context_len + 1), dtype=np.int64)
-    runner = ModelRunner(rank.loaded, args, torch.from_numpy(table), kv_pool_slots(capacity, args.page_size), rank.tp)
+    context_len = args.model.context_length or rank.loaded.config.context_len
+    table = np.zeros((args.scheduler.max_running_requests, context_len + 1), dtype=np.int64)
+    num_slots = kv_pool_slots(capacity, args.cache.page_size)
+    runner = ModelRunner(rank.loaded, args, torch.from_numpy(table), num_slots, rank.tp)
     rank.tp.barrier("ready")
     return Follower(runner, StepReceiver(rank.tp, table, runner.device))

@@ -26,10 +26,10 @@ class Engine:
         from .bootstrap import bootstrap_rank, build_scheduler, step_sender
         from .executor import parallel
 
-        self.server_args = ServerArgs.from_kwargs(model_path=model_path, **server_args)
+        self.server_args = ServerArgs(model_path=model_path, **server_args)
         args = self.server_args
         # tp_size > 1: this process is rank 0; the other ranks are child processes (tp_launch.py).
-        self._ranks = LocalRanks(args) if args.tp_size > 1 else None
+        self._ranks = LocalRanks(args) if args.parallel.tp_size > 1 else None
         self._threads = torch.get_num_threads()  # a CPU rank takes its share of the cores; given back after
         try:
             rank = bootstrap_rank(args, 0, 0, self._ranks.addr if self._ranks else None)

@@ -3,9 +3,7 @@ then serves HTTP from this process. Exits non-zero if a child dies."""
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import dataclasses
 import logging
 import os
 import sys
@@ -17,41 +15,9 @@ import zmq
 from .children import ChildProcesses, wait_ready
 from .process_utils import bind_port, show_progress_bars_in_log, stage
 from .server_args import ServerArgs
+from .server_flags import parse_flags
 
 logger = logging.getLogger("radixlm.launch")
-
-API_KEY_ENV = "RADIXLM_API_KEY"
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="radixlm serve", description="Serve a model over HTTP (SGLang's native "
-                                     "API and OpenAI's /v1 routes).",
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    for f in dataclasses.fields(ServerArgs):
-        flag = "--" + f.name.replace("_", "-")
-        help_text = f.metadata.get("help", "")
-        if f.type in ("bool", bool):
-            parser.add_argument(flag, action="store_true", default=f.default, help=help_text)
-        else:
-            kind = {"int": int, "float": float}.get(str(f.type).split(" |")[0], str)
-            parser.add_argument(flag, type=kind, default=f.default, help=help_text)
-    parser.add_argument("--served-model-name", default=None, help="model id in /v1/models; unset: the model path, "
-                        "or 'default' for the embedded model")
-    parser.add_argument("--log-level", default="info", help="debug | info | warning | error")
-    return parser
-
-
-def parse_args(argv: list[str]) -> tuple[ServerArgs, argparse.Namespace]:
-    ns = build_parser().parse_args(argv)
-    fields = {f.name for f in dataclasses.fields(ServerArgs)}
-    values = {k: v for k, v in vars(ns).items() if k in fields}
-    # A key given on the command line shows in `ps`; the environment keeps it private.
-    values["api_key"] = values["api_key"] or os.environ.get(API_KEY_ENV) or None
-    try:
-        args = ServerArgs(**values)
-    except ValueError as e:
-        build_parser().error(str(e))
-    return args, ns
 
 
 def _local_tokenizer_dir(args: ServerArgs) -> str | None:
@@ -61,36 +27,36 @@ def _local_tokenizer_dir(args: ServerArgs) -> str | None:
     from .executor.gguf_loader import converted_dir, converted_tokenizer_dir
 
     try:
-        model = args.model_path or default_model_path()
+        model = args.model.model_path or default_model_path()
     except FileNotFoundError:
         return None  # read_meta says what to install
     if str(model).endswith(".gguf") and converted_dir(model) is None:
         return None  # converted once, here, before the scheduler would race to convert it too
-    source = str(args.tokenizer_path or model)
+    source = str(args.model.tokenizer_path or model)
     if source.endswith(".gguf"):
         found = converted_tokenizer_dir(source)
         return str(found) if found is not None else None
     return source if os.path.isdir(source) else None
 
 
-def launch_server(args: ServerArgs, served_model_name: str | None = None, log_level: str = "info") -> int:
+def launch_server(args: ServerArgs) -> int:
     """Runs the server until SIGINT/SIGTERM (returns 0) or a child process dies (returns 1)."""
-    if args.node_rank > 0:  # tensor-parallel ranks only; node 0 serves
+    if args.parallel.node_rank > 0:  # tensor-parallel ranks only; node 0 serves
         from .tp_launch import serve_follower_node
 
         return serve_follower_node(args)
     try:
-        sock = bind_port(args.host, args.port)
+        sock = bind_port(args.http.host, args.http.port)
     except OSError as e:
         logger.error("%s", e)
         return 1
     try:
-        return _launch(args, sock, served_model_name, log_level)
+        return _launch(args, sock)
     finally:
         sock.close()
 
 
-def _launch(args: ServerArgs, sock: Any, served_model_name: str | None, log_level: str) -> int:
+def _launch(args: ServerArgs, sock: Any) -> int:
     # Only what starting the children needs is imported before they start: torch and the HTTP
     # stack take seconds to import, and the children need not wait for them.
     from .detokenizer.process import run_detokenizer_process
@@ -99,12 +65,12 @@ def _launch(args: ServerArgs, sock: Any, served_model_name: str | None, log_leve
     def read_meta():
         from .executor.model_loader import load_model
 
-        meta = load_model(args.model_path, load_format=args.load_format, tokenizer_path=args.tokenizer_path,
-                          with_weights=False)
+        meta = load_model(args.model.model_path, load_format=args.model.load_format,
+                          tokenizer_path=args.model.tokenizer_path, with_weights=False)
         if meta.tokenizer is None:
             raise SystemExit("the model has no tokenizer; pass --tokenizer-path")
-        if args.chat_template is not None:  # chats render in this process only
-            with open(args.chat_template) as f:
+        if args.api.chat_template is not None:  # chats render in this process only
+            with open(args.api.chat_template) as f:
                 meta.tokenizer.chat_template = f.read()
         return meta
 
@@ -112,7 +78,7 @@ def _launch(args: ServerArgs, sock: Any, served_model_name: str | None, log_leve
     # when the tokenizer is a local directory or a GGUF converted by an earlier run; first
     # otherwise: a GGUF is converted once, and a hub model is fetched once, before the children
     # race for them.
-    if args.tp_size > 1:
+    if args.parallel.tp_size > 1:
         from .executor.parallel import check_devices
 
         try:
@@ -121,10 +87,14 @@ def _launch(args: ServerArgs, sock: Any, served_model_name: str | None, log_leve
             logger.error("%s", e)
             return 1
     tokenizer_dir = _local_tokenizer_dir(args)
-    stage(f"loading {args.model_path or 'the embedded SmolLM2-135M-Instruct'}"
+    stage(f"loading {args.model.model_path or 'the embedded SmolLM2-135M-Instruct'}"
           + ("" if tokenizer_dir else " (a GGUF is converted once, on its first use)"))
     started = time.perf_counter()
-    meta = None if tokenizer_dir else read_meta()
+    try:
+        meta = None if tokenizer_dir else read_meta()
+    except (OSError, ValueError) as e:  # no network for a hub id, a file that is not a model
+        print(f"radixlm serve: error: model_path: {str(e).splitlines()[0]}", file=sys.stderr)
+        return 1
     children = ChildProcesses()
     logger.info("ipc directory: %s", children.ipc_dir)
     ctx = zmq.Context()
@@ -133,16 +103,17 @@ def _launch(args: ServerArgs, sock: Any, served_model_name: str | None, log_leve
     ready.bind(children.addr("ready"))
     try:
         stage("starting the scheduler (loads the weights) and the detokenizer")
-        children.start("detokenizer", run_detokenizer_process, tokenizer_dir or args.tokenizer_path or meta.local_dir,
+        children.start("detokenizer", run_detokenizer_process,
+                       tokenizer_dir or args.model.tokenizer_path or meta.local_dir,
                        children.addr("detokenizer"), children.addr("tokenizer"), children.addr("ready"))
         starting = {"scheduler", "detokenizer"}
         addr = None
-        if args.tp_size > 1:
+        if args.parallel.tp_size > 1:
             from .tp_launch import dist_addr, start_node_ranks
 
             addr = dist_addr(args)
             starting |= start_node_ranks(children, args, addr, skip_rank0=True)
-        children.start("scheduler", run_scheduler_process, dataclasses.asdict(args),
+        children.start("scheduler", run_scheduler_process, args.to_dict(),
                        children.addr("scheduler"), children.addr("detokenizer"), children.addr("ready"), addr)
         logger.info("children: %s", ", ".join(f"{n} pid {p.pid}" for n, p in children.procs.items()))
         meta = meta or read_meta()
@@ -168,18 +139,20 @@ def _launch(args: ServerArgs, sock: Any, served_model_name: str | None, log_leve
     from .server.openai_api import register_openai_routes
     from .server.tokenizer_manager import TokenizerManager
 
-    args = dataclasses.replace(args, **info["device_defaults"])
+    args = args.replace(**info["device_defaults"])
 
-    model_name = served_model_name or (args.model_path or "default")
+    model_name = args.api.served_model_name or (args.model.model_path or "default")
     tm = TokenizerManager(meta.tokenizer, meta.config, info["context_len"], children.addr("scheduler"),
                           children.addr("tokenizer"),
-                          max_in_flight=args.max_running_requests + args.max_queued_requests)
-    state = ServerState(tm, args.model_path or meta.model_path, dataclasses.asdict(args), warm=False)
-    app = create_app(state, args.api_key, args.max_request_bytes, args.rate_limit_rpm)
-    register_openai_routes(app, lambda: tm, model_name, ChatOptions(args.tool_call_parser, args.reasoning_parser))
+                          max_in_flight=args.scheduler.max_running_requests + args.scheduler.max_queued_requests)
+    state = ServerState(tm, args.model.model_path or meta.model_path, args.to_dict(), warm=False)
+    app = create_app(state, args.http.api_key, args.http.max_request_bytes, args.http.rate_limit_rpm)
+    register_openai_routes(app, lambda: tm, model_name,
+                           ChatOptions(args.api.tool_call_parser, args.api.reasoning_parser))
     host, port = sock.getsockname()[:2]
-    server = Server(uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5),
-                    state, children.dead, args.graceful_shutdown_timeout)
+    server = Server(uvicorn.Config(app, host=host, port=port, log_level=args.http.log_level,
+                                   timeout_graceful_shutdown=5),
+                    state, children.dead, args.http.graceful_shutdown_timeout)
     try:
         asyncio.run(server.run(sock))
     except KeyboardInterrupt:  # a signal before uvicorn took the handlers over
@@ -192,14 +165,14 @@ def _launch(args: ServerArgs, sock: Any, served_model_name: str | None, log_leve
 
 
 def main(argv: list[str] | None = None) -> None:
-    args, ns = parse_args(sys.argv[1:] if argv is None else argv)
-    logging.basicConfig(level=ns.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    args = parse_flags(sys.argv[1:] if argv is None else argv)
+    logging.basicConfig(level=args.http.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     show_progress_bars_in_log()
-    if args.dp_size > 1:  # replicas behind the cache-aware router
+    if args.parallel.dp_size > 1:  # replicas behind the cache-aware router
         from .router.dp_launcher import launch_dp
 
-        sys.exit(launch_dp(args, ns))
-    sys.exit(launch_server(args, ns.served_model_name, ns.log_level))
+        sys.exit(launch_dp(args))
+    sys.exit(launch_server(args))
 
 
 _USAGE = """usage: radixlm serve [--model-path PATH] [--port N] [...]

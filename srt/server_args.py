@@ -1,24 +1,90 @@
-"""Runtime settings. Flag names follow SGLang's where one exists."""
+"""Runtime settings, grouped by the component that reads them; each component receives its
+section. Flag names follow SGLang's where one exists, and stay flat on the command line and in
+`Engine(**kwargs)` (`--max-total-tokens`, `max_total_tokens=`).
+
+Every field carries its help, and its choices or range where it has them (setting_fields.py):
+`radixlm serve`'s flags are generated from the fields (server_flags.py), so a bad flag is one
+argparse-style line before anything loads, and `Engine(...)` gets the same check as a
+ValueError naming the field.
+"""
 
 from __future__ import annotations
 
 import dataclasses
 import os
+import re
 from dataclasses import dataclass
 from typing import Any
 
+from .setting_fields import Section, setting
 
-def _arg(default: Any, help: str) -> Any:
-    """A field with its one-line help for `radixlm serve --help` (which adds the default)."""
-    return dataclasses.field(default=default, metadata={"help": help})
+API_KEY_ENV = "RADIXLM_API_KEY"
+_HUB_ID_RE = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?")
 
 
-def split_addr(addr: str) -> tuple[str, int]:
-    """(host, port) of a host:port address ([::1]:port for IPv6)."""
-    host, sep, port = addr.rpartition(":")
-    if not sep or not host or not port.isdigit():
-        raise ValueError(f"dist_init_addr: expected host:port, got {addr!r}")
-    return host.strip("[]"), int(port)
+def looks_like_hub_id(source: str) -> bool:
+    """Whether a model path that is not on disk could name a Hugging Face hub repository."""
+    return _HUB_ID_RE.fullmatch(source) is not None and not source.endswith((".gguf", ".json", ".safetensors"))
+
+
+@dataclass(frozen=True)
+class ModelSettings(Section):
+    """What is loaded and the numbers it computes in (the executor's, and the tokenizer's)."""
+
+    model_path: str | None = setting(None, "Hugging Face directory, hub id or .gguf file; unset: the embedded "
+                                           "SmolLM2-135M-Instruct")
+    tokenizer_path: str | None = setting(None, "tokenizer directory, when not the model's own")
+    load_format: str = setting("auto", "auto | dummy (random weights of the config) | gguf | safetensors",
+                               choices=("auto", "dummy", "gguf", "safetensors"))
+    dtype: str = setting("auto", "auto (float32 on CPU, bfloat16 on GPU) | float32 | bfloat16 | float16",
+                         choices=("auto", "float32", "bfloat16", "float16"))
+    device: str = setting("auto", "auto (cuda when available, else cpu) | cpu | cuda")
+    context_length: int | None = setting(None, "longest prompt + output in tokens; unset: the model's", min=1)
+    quantization: str | None = setting(None, "fp8: the layers' projections quantized to FP8 e4m3 at load "
+                                             "(per-channel weight scales, per-token activations); unset: the "
+                                             "checkpoint's dtype",
+                                       choices=("fp8",), refusal="is not implemented (fp8 is)")
+    kv_cache_dtype: str = setting("auto", "auto (the model dtype) | fp8_e4m3 (KV stored in FP8 with scales)",
+                                  choices=("auto", "fp8_e4m3"),
+                                  refusal="is not implemented (auto or fp8_e4m3 are; fp8_e5m2 is not)")
+    random_seed: int = setting(0, "seed of the sampler for requests without their own")
+
+    # SGLang's spellings that mean the same thing are accepted and normalised.
+    ALIASES = {"quantization": {"fp8": "fp8"},
+               "kv_cache_dtype": {"fp8": "fp8_e4m3", "fp8_e4m3": "fp8_e4m3", "float8_e4m3fn": "fp8_e4m3"}}
+
+    def check(self) -> None:
+        for name in ("model_path", "tokenizer_path"):
+            path = getattr(self, name)
+            if path is not None and not os.path.exists(os.path.expanduser(path)) and not looks_like_hub_id(path):
+                raise ValueError(f"{name}: no file or directory at {path!r} (nor is it a hub id)")
+        if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):
+            raise ValueError(f"device: must be auto, cpu, cuda or cuda:N (got {self.device!r})")
+
+    def resolved_device(self) -> str:
+        if self.device != "auto":
+            return self.device
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+
+    def resolved_dtype(self) -> Any:
+        import torch
+
+        if self.dtype == "auto":
+            return torch.float32 if self.resolved_device() == "cpu" else torch.bfloat16
+        return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[self.dtype]
+
+
+@dataclass(frozen=True)
+class CacheSettings(Section):
+    """The KV pool and the radix cache over it."""
+
+    max_total_tokens: int | None = setting(None, "KV cache slots; unset: sized from memory", min=1)
+    mem_fraction_static: float = setting(0.88, "GPU memory share for weights + KV pool (the rest: activations, "
+                                               "graphs)", above=0.0, below=1.0)
+    page_size: int = setting(1, "tokens per KV page", min=1)
+    disable_radix_cache: bool = setting(False, "do not reuse cached prefixes")
 
 
 # Settings whose default depends on the device (ServerArgs.with_device_defaults). On CUDA the
@@ -32,137 +98,118 @@ DEVICE_DEPENDENT_FIELDS = tuple(DEVICE_DEFAULTS["cpu"])
 
 
 @dataclass(frozen=True)
-class ServerArgs:
-    model_path: str | None = _arg(None, "Hugging Face directory, hub id or .gguf file; unset: the embedded "
-                                        "SmolLM2-135M-Instruct")
-    tokenizer_path: str | None = _arg(None, "tokenizer directory, when not the model's own")
-    load_format: str = _arg("auto", "auto | dummy (random weights of the config) | gguf | safetensors")
-    dtype: str = _arg("auto", "auto (float32 on CPU, bfloat16 on GPU) | float32 | bfloat16 | float16")
-    device: str = _arg("auto", "auto (cuda when available, else cpu) | cpu | cuda")
-    context_length: int | None = _arg(None, "longest prompt + output in tokens; unset: the model's")
-    max_total_tokens: int | None = _arg(None, "KV cache slots; unset: sized from memory")
-    max_running_requests: int | None = _arg(None, "requests decoded together at most; unset: 64 on CPU, 512 "
-                                                  "on CUDA (the largest decode batch replayed from a CUDA graph)")
-    max_queued_requests: int = _arg(256, "requests waiting beyond the running ones at most; more get 429 "
-                                         "with Retry-After")
-    max_prefill_tokens: int = _arg(8192, "prompt tokens prefilled in one step at most")
-    chunked_prefill_size: int | None = _arg(None, "a longer prompt is prefilled in chunks of this many tokens; "
-                                                  "unset: 2048 on CPU, 8192 on CUDA")
-    page_size: int = _arg(1, "tokens per KV page")
-    schedule_policy: str = _arg("lpm", "lpm (longest cached prefix first) | fcfs")
-    disable_radix_cache: bool = _arg(False, "do not reuse cached prefixes")
-    grammar_compile_timeout: float = _arg(60.0, "seconds a constraint may take to compile; a longer one fails "
-                                                "its request alone")
-    enable_mixed_chunk: bool = _arg(False, "decoding requests ride along in prefill steps (steadier streams)")
-    disable_jump_forward: bool = _arg(False, "constrained decoding: no skipping of grammar-forced text")
-    attention_backend: str = _arg("auto", "auto (flashinfer on CUDA with fp16/bf16, else torch_native) | "
-                                          "torch_native | flashinfer")
-    disable_overlap_schedule: bool = _arg(False, "CUDA: do not run a step's host work while the previous "
-                                                 "step computes")
-    disable_cuda_graph: bool = _arg(False, "do not replay decode steps from CUDA graphs (they need flashinfer)")
-    disable_cascade_attention: bool = _arg(False, "decode reads a shared prefix per request, not once per group")
-    cuda_graph_max_bs: int = _arg(512, "largest decode batch replayed from a graph (capped by "
-                                       "max_running_requests)")
-    # Our kernel paths, each on unless turned off to measure what it gains or to rule it out.
-    disable_pdl: bool = _arg(False, "CUDA: launch our Triton kernels without programmatic dependent launch")
-    disable_fp8_gemv: bool = _arg(False, "fp8: decode-sized projections through quantize + _scaled_mm, not "
-                                         "our FP8 GEMV kernel")
-    disable_fused_fp8_quantization: bool = _arg(False, "fp8: the GEMMs' input quantized by its own kernel, not "
-                                                       "by the norm or SiLU-and-mul before it")
-    disable_fused_rotary_store: bool = _arg(False, "flashinfer: the rotation and the KV store as two kernels")
-    mem_fraction_static: float = _arg(0.88, "GPU memory share for weights + KV pool (the rest: activations, "
-                                            "graphs)")
-    random_seed: int = _arg(0, "seed of the sampler for requests without their own")
-    host: str = _arg("127.0.0.1", "address to listen on (0.0.0.0: every interface)")
-    port: int = _arg(30000, "HTTP port; a busy one is refused before the model loads")
-    api_key: str | None = _arg(None, "require Authorization: Bearer <key> on every route but /health; "
-                                     "unset: taken from $RADIXLM_API_KEY if set (keeps it off the command line)")
-    rate_limit_rpm: int = _arg(0, "generation requests a client (its API key, else its address) may send per "
-                                  "minute; more get 429 with Retry-After; 0: no limit")
-    max_request_bytes: int = _arg(8 * 2**20, "request bodies larger than this get 413")
-    graceful_shutdown_timeout: float = _arg(30.0, "seconds SIGTERM waits for running requests to finish "
-                                                  "before failing them and exiting")
-    chat_template: str | None = _arg(None, "a Jinja chat template file to render chats with instead of the "
-                                           "model's own")
-    tool_call_parser: str | None = _arg(None, "hermes | llama3_json | mistral | json; unset: from the chat "
-                                              "template")
-    reasoning_parser: str | None = _arg(None, "qwen3 | deepseek-r1: the think block comes back as "
-                                              "reasoning_content")
-    speculative_algorithm: str | None = _arg(None, "ngram (drafts by prompt lookup, no extra model) | draft "
-                                                   "(STANDALONE: a smaller model drafts); unset: no speculative "
-                                                   "decoding")
-    speculative_num_draft_tokens: int = _arg(4, "draft tokens verified per step")
-    speculative_ngram_max_match_window_size: int = _arg(4, "ngram: longest suffix matched against earlier tokens")
-    speculative_ngram_min_match_window_size: int = _arg(1, "ngram: shortest suffix matched")
-    speculative_draft_model_path: str | None = _arg(None, "draft / STANDALONE: the smaller model that drafts "
-                                                          "(same tokenizer as the target)")
-    speculative_num_steps: int | None = _arg(None, "draft / STANDALONE: tokens the draft model drafts per "
-                                                   "step (unset: speculative_num_draft_tokens)")
-    quantization: str | None = _arg(None, "fp8: the layers' projections quantized to FP8 e4m3 at load (per-channel "
-                                          "weight scales, per-token activations; checkpoints already in FP8 are "
-                                          "refused); unset: the checkpoint's dtype")
-    kv_cache_dtype: str = _arg("auto", "auto (the model dtype) | fp8_e4m3 (KV stored in FP8 with scales)")
-    tp_size: int = _arg(1, "tensor-parallel ranks: attention heads, MLP and vocabulary split across them")
-    dp_size: int = _arg(1, "data-parallel replicas on this host behind a cache-aware router (one per GPU "
-                           "group of tp_size GPUs)")
-    nnodes: int = _arg(1, "hosts the tensor-parallel ranks span (tp_size / nnodes ranks each)")
-    node_rank: int = _arg(0, "this host's index among nnodes; node 0 serves HTTP")
-    dist_init_addr: str | None = _arg(None, "host:port of node 0's torch.distributed rendezvous (needed when "
-                                            "nnodes > 1; unset: a free local port)")
-    dist_timeout: float = _arg(120.0, "seconds to wait for every rank to join, and for a collective to finish, "
-                                      "before failing with the ranks that did not answer")
-    tp_all_reduce: str = _arg("nccl", "nccl | one_shot (small all-reduces through PyTorch's symmetric memory "
-                                      "over NVLink)")
+class SchedulerSettings(Section):
+    """The scheduling policy: admission, batching, chunked prefill, the step pipeline, grammars."""
 
-    def __post_init__(self) -> None:
-        if self.page_size < 1:
-            raise ValueError("page_size: must be >= 1")
-        if self.schedule_policy not in ("lpm", "fcfs"):
-            raise ValueError("schedule_policy: must be 'lpm' or 'fcfs'")
-        if self.max_running_requests is not None and self.max_running_requests < 1:
-            raise ValueError("max_running_requests: must be >= 1")
-        if self.chunked_prefill_size is not None and self.chunked_prefill_size < 1:
-            raise ValueError("chunked_prefill_size: must be >= 1")
-        if self.max_prefill_tokens < 1:
-            raise ValueError("max_prefill_tokens: must be >= 1")
-        if self.load_format not in ("auto", "dummy", "gguf", "safetensors"):
-            raise ValueError("load_format: must be auto, dummy, gguf or safetensors")
-        if self.attention_backend not in ("auto", "torch_native", "flashinfer"):
-            raise ValueError("attention_backend: must be auto, torch_native or flashinfer")
-        if self.grammar_compile_timeout <= 0:
-            raise ValueError("grammar_compile_timeout: must be > 0")
-        if self.cuda_graph_max_bs < 1:
-            raise ValueError("cuda_graph_max_bs: must be >= 1")
-        if self.chat_template is not None and not os.path.isfile(self.chat_template):
-            raise ValueError(f"chat_template: no file at {self.chat_template!r}")
-        if self.tool_call_parser is not None or self.reasoning_parser is not None:
-            from .server.chat import ChatOptions
+    max_running_requests: int | None = setting(None, "requests decoded together at most; unset: 64 on CPU, 512 "
+                                                     "on CUDA (the largest decode batch replayed from a CUDA graph)",
+                                               min=1)
+    max_queued_requests: int = setting(256, "requests waiting beyond the running ones at most; more get 429 with "
+                                            "Retry-After", min=0)
+    max_prefill_tokens: int = setting(8192, "prompt tokens prefilled in one step at most", min=1)
+    chunked_prefill_size: int | None = setting(None, "a longer prompt is prefilled in chunks of this many tokens; "
+                                                     "unset: 2048 on CPU, 8192 on CUDA", min=1)
+    schedule_policy: str = setting("lpm", "lpm (longest cached prefix first) | fcfs", choices=("lpm", "fcfs"))
+    enable_mixed_chunk: bool = setting(False, "decoding requests ride along in prefill steps (steadier streams)")
+    disable_overlap_schedule: bool = setting(False, "CUDA: do not run a step's host work while the previous step "
+                                                    "computes")
+    grammar_compile_timeout: float = setting(60.0, "seconds a constraint may take to compile; a longer one fails "
+                                                   "its request alone", above=0.0)
+    disable_jump_forward: bool = setting(False, "constrained decoding: no skipping of grammar-forced text")
 
-            ChatOptions(self.tool_call_parser, self.reasoning_parser)  # raises naming an unknown parser
-        if self.speculative_algorithm is not None:
-            self._check_speculative()
-        if self.max_queued_requests < 0:
-            raise ValueError("max_queued_requests: must be >= 0")
-        if self.rate_limit_rpm < 0:
-            raise ValueError("rate_limit_rpm: must be >= 0")
-        if self.max_request_bytes < 1:
-            raise ValueError("max_request_bytes: must be >= 1")
-        if self.graceful_shutdown_timeout < 0:
-            raise ValueError("graceful_shutdown_timeout: must be >= 0")
-        if not 0.0 < self.mem_fraction_static < 1.0:
-            raise ValueError("mem_fraction_static: must be between 0 and 1")
-        self._check_quantization()
-        self._check_parallel()
 
-    def _check_parallel(self) -> None:
-        if self.tp_size < 1:
-            raise ValueError("tp_size: must be >= 1")
-        if self.dp_size < 1:
-            raise ValueError("dp_size: must be >= 1")
-        if self.nnodes < 1 or self.tp_size % self.nnodes:
+@dataclass(frozen=True)
+class ExecutorSettings(Section):
+    """The device engine: attention backend, CUDA graphs, and our kernel paths (each on unless
+    turned off to measure what it gains, or to rule it out)."""
+
+    attention_backend: str = setting("auto", "auto (flashinfer on CUDA with fp16/bf16, else torch_native) | "
+                                             "torch_native | flashinfer",
+                                     choices=("auto", "torch_native", "flashinfer"))
+    disable_cuda_graph: bool = setting(False, "do not replay decode steps from CUDA graphs (they need flashinfer)")
+    disable_cascade_attention: bool = setting(False, "decode reads a shared prefix per request, not once per group")
+    cuda_graph_max_bs: int = setting(512, "largest decode batch replayed from a graph (capped by "
+                                          "max_running_requests)", min=1)
+    disable_pdl: bool = setting(False, "CUDA: launch our Triton kernels without programmatic dependent launch")
+    disable_fp8_gemv: bool = setting(False, "fp8: decode-sized projections through quantize + _scaled_mm, not "
+                                            "our FP8 GEMV kernel")
+    disable_fused_fp8_quantization: bool = setting(False, "fp8: the GEMMs' input quantized by its own kernel, not "
+                                                          "by the norm or SiLU-and-mul before it")
+    disable_fused_rotary_store: bool = setting(False, "flashinfer: the rotation and the KV store as two kernels")
+
+
+@dataclass(frozen=True)
+class SpeculativeSettings(Section):
+    """Speculative decoding: who drafts, and how many tokens a verify step checks."""
+
+    speculative_algorithm: str | None = setting(None, "ngram (drafts by prompt lookup, no extra model) | draft "
+                                                      "(STANDALONE: a smaller model drafts); unset: no speculative "
+                                                      "decoding", choices=("ngram", "draft"),
+                                                refusal="is not implemented (ngram and draft / STANDALONE are; EAGLE, "
+                                                        "EAGLE3 and MTP speculation are not)")
+    speculative_num_draft_tokens: int = setting(4, "draft tokens verified per step", min=1, max=16)
+    speculative_ngram_max_match_window_size: int = setting(4, "ngram: longest suffix matched against earlier "
+                                                              "tokens", min=1)
+    speculative_ngram_min_match_window_size: int = setting(1, "ngram: shortest suffix matched", min=1)
+    speculative_draft_model_path: str | None = setting(None, "draft / STANDALONE: the smaller model that drafts "
+                                                             "(same tokenizer as the target)")
+    speculative_num_steps: int | None = setting(None, "draft / STANDALONE: tokens the draft model drafts per step "
+                                                      "(unset: speculative_num_draft_tokens)", min=1, max=16)
+
+    ALIASES = {"speculative_algorithm": {"ngram": "ngram", "draft": "draft", "standalone": "draft"}}
+
+    def check(self) -> None:
+        algorithm = self.speculative_algorithm
+        if algorithm is None:
+            return
+        if algorithm == "ngram":
+            if self.speculative_draft_model_path is not None:
+                raise ValueError("speculative_draft_model_path: ngram speculation drafts without a model; use "
+                                 "--speculative-algorithm draft for a draft model")
+            if self.speculative_ngram_min_match_window_size > self.speculative_ngram_max_match_window_size:
+                raise ValueError("speculative_ngram_min_match_window_size: must be at most the max window size")
+        elif not self.speculative_draft_model_path:
+            raise ValueError("speculative_draft_model_path: required with speculative_algorithm draft")
+
+    @property
+    def drafts_per_step(self) -> int:
+        """Draft tokens a verify step checks: the draft model's forwards, or the n-gram draft length."""
+        if not self.speculative_algorithm:
+            return 0
+        if self.speculative_algorithm == "draft" and self.speculative_num_steps is not None:
+            return self.speculative_num_steps
+        return self.speculative_num_draft_tokens
+
+
+def split_addr(addr: str) -> tuple[str, int]:
+    """(host, port) of a host:port address ([::1]:port for IPv6)."""
+    host, sep, port = addr.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise ValueError(f"dist_init_addr: expected host:port, got {addr!r}")
+    return host.strip("[]"), int(port)
+
+
+@dataclass(frozen=True)
+class ParallelSettings(Section):
+    """Tensor parallelism (across hosts too) and data-parallel replicas behind the router."""
+
+    tp_size: int = setting(1, "tensor-parallel ranks: attention heads, MLP and vocabulary split across them", min=1)
+    dp_size: int = setting(1, "data-parallel replicas on this host behind a cache-aware router (one per GPU group "
+                              "of tp_size GPUs)", min=1)
+    nnodes: int = setting(1, "hosts the tensor-parallel ranks span (tp_size / nnodes ranks each)", min=1)
+    node_rank: int = setting(0, "this host's index among nnodes; node 0 serves HTTP", min=0)
+    dist_init_addr: str | None = setting(None, "host:port of node 0's torch.distributed rendezvous (needed when "
+                                               "nnodes > 1; unset: a free local port)")
+    dist_timeout: float = setting(120.0, "seconds to wait for every rank to join, and for a collective to finish, "
+                                         "before failing with the ranks that did not answer", above=0.0)
+    tp_all_reduce: str = setting("nccl", "nccl | one_shot (small all-reduces through PyTorch's symmetric memory "
+                                         "over NVLink)", choices=("nccl", "one_shot"))
+
+    def check(self) -> None:
+        if self.tp_size % self.nnodes:
             raise ValueError(f"nnodes: {self.nnodes} must be >= 1 and divide tp_size {self.tp_size} (each node runs "
                              "tp_size / nnodes ranks)")
-        if not 0 <= self.node_rank < self.nnodes:
+        if self.node_rank >= self.nnodes:
             raise ValueError(f"node_rank: {self.node_rank} must be between 0 and nnodes - 1 ({self.nnodes - 1})")
         if self.nnodes > 1 and not self.dist_init_addr:
             raise ValueError("dist_init_addr: required with nnodes > 1 (node 0's host:port, the same on every node)")
@@ -171,89 +218,112 @@ class ServerArgs:
                              "`radixlm router`, not with --nnodes")
         if self.dist_init_addr:
             split_addr(self.dist_init_addr)  # raises naming the field
-        if self.dist_timeout <= 0:
-            raise ValueError("dist_timeout: must be > 0")
-        if self.tp_all_reduce not in ("nccl", "one_shot"):
-            raise ValueError("tp_all_reduce: must be nccl or one_shot")
 
-    def _check_quantization(self) -> None:
-        # SGLang's spellings that mean the same thing are accepted and normalised.
-        if self.quantization is not None:
-            if self.quantization.lower() != "fp8":
-                raise ValueError(f"quantization: {self.quantization!r} is not implemented (fp8 is)")
-            object.__setattr__(self, "quantization", "fp8")
-        kv = self.kv_cache_dtype.lower()
-        if kv in ("fp8", "fp8_e4m3", "float8_e4m3fn"):
-            object.__setattr__(self, "kv_cache_dtype", "fp8_e4m3")
-        elif kv == "auto":
-            object.__setattr__(self, "kv_cache_dtype", "auto")
-        else:
-            raise ValueError(f"kv_cache_dtype: {self.kv_cache_dtype!r} is not implemented (auto or fp8_e4m3 are; "
-                             "fp8_e5m2 is not)")
 
-    def _check_speculative(self) -> None:
-        name = self.speculative_algorithm
-        algorithm = {"ngram": "ngram", "draft": "draft", "standalone": "draft"}.get(name.lower())
-        if algorithm is None:
-            raise ValueError(f"speculative_algorithm: {name!r} is not implemented (ngram and draft / STANDALONE "
-                             "are; EAGLE, EAGLE3 and MTP speculation are not)")
-        object.__setattr__(self, "speculative_algorithm", algorithm)  # SGLang spells them NGRAM, STANDALONE
-        if not 1 <= self.speculative_num_draft_tokens <= 16:
-            raise ValueError("speculative_num_draft_tokens: must be between 1 and 16")
-        if algorithm == "ngram":
-            if self.speculative_draft_model_path is not None:
-                raise ValueError("speculative_draft_model_path: ngram speculation drafts without a model; use "
-                                 "--speculative-algorithm draft for a draft model")
-            low, high = self.speculative_ngram_min_match_window_size, self.speculative_ngram_max_match_window_size
-            if not 1 <= low <= high:
-                raise ValueError("speculative_ngram_min_match_window_size: must be >= 1 and at most the max "
-                                 "window size")
-            return
-        if not self.speculative_draft_model_path:
-            raise ValueError(f"speculative_draft_model_path: required with speculative_algorithm {name!r}")
-        if self.speculative_num_steps is not None and not 1 <= self.speculative_num_steps <= 16:
-            raise ValueError("speculative_num_steps: must be between 1 and 16")
+@dataclass(frozen=True)
+class HTTPSettings(Section):
+    """The HTTP server in the main process: where it listens, who may call it, its limits."""
 
-    @property
-    def speculative_drafts_per_step(self) -> int:
-        """Draft tokens a verify step checks: the draft model's forwards, or the n-gram draft length."""
-        if not self.speculative_algorithm:
-            return 0
-        if self.speculative_algorithm == "draft" and self.speculative_num_steps is not None:
-            return self.speculative_num_steps
-        return self.speculative_num_draft_tokens
+    host: str = setting("127.0.0.1", "address to listen on (0.0.0.0: every interface)")
+    port: int = setting(30000, "HTTP port; a busy one is refused before the model loads", min=1, max=65535)
+    api_key: str | None = setting(None, "require Authorization: Bearer <key> on every route but /health",
+                                  env=API_KEY_ENV)
+    rate_limit_rpm: int = setting(0, "generation requests a client (its API key, else its address) may send per "
+                                     "minute; more get 429 with Retry-After; 0: no limit", min=0)
+    max_request_bytes: int = setting(8 * 2**20, "request bodies larger than this get 413", min=1)
+    graceful_shutdown_timeout: float = setting(30.0, "seconds SIGTERM waits for running requests to finish before "
+                                                     "failing them and exiting", min=0.0)
+    log_level: str = setting("info", "debug | info | warning | error", choices=("debug", "info", "warning", "error"))
 
-    @classmethod
-    def from_kwargs(cls, **kwargs: Any) -> "ServerArgs":
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(kwargs) - known)
+
+TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral", "json")  # srt/server/tool_calls/parsers.py
+REASONING_PARSERS = ("qwen3", "deepseek-r1")  # srt/server/tool_calls/reasoning.py
+
+
+@dataclass(frozen=True)
+class APISettings(Section):
+    """What the OpenAI routes answer as, and how chats are rendered and read back."""
+
+    served_model_name: str | None = setting(None, "model id in /v1/models; unset: the model path, or 'default' for "
+                                                  "the embedded model")
+    chat_template: str | None = setting(None, "a Jinja chat template file to render chats with instead of the "
+                                              "model's own")
+    tool_call_parser: str | None = setting(None, "hermes | llama3_json | mistral | json; unset: from the chat "
+                                                 "template", choices=TOOL_CALL_PARSERS)
+    reasoning_parser: str | None = setting(None, "qwen3 | deepseek-r1: the think block comes back as "
+                                                 "reasoning_content", choices=REASONING_PARSERS)
+
+    def check(self) -> None:
+        if self.chat_template is not None and not os.path.isfile(self.chat_template):
+            raise ValueError(f"chat_template: no file at {self.chat_template!r}")
+
+
+SECTIONS: dict[str, type[Section]] = {
+    "model": ModelSettings, "cache": CacheSettings, "scheduler": SchedulerSettings, "executor": ExecutorSettings,
+    "speculative": SpeculativeSettings, "parallel": ParallelSettings, "http": HTTPSettings, "api": APISettings,
+}
+# Flat setting name -> its section, for the command line and Engine(**kwargs).
+SECTION_OF: dict[str, str] = {f.name: name for name, cls in SECTIONS.items() for f in dataclasses.fields(cls)}
+
+
+class ServerArgs:
+    """Every setting, by section: `args.model`, `args.cache`, `args.scheduler`, `args.executor`,
+    `args.speculative`, `args.parallel`, `args.http`, `args.api`. Made from flat names, as
+    SGLang's ServerArgs and `Engine(**kwargs)` take them: `ServerArgs(max_total_tokens=4096)`;
+    raises ValueError naming an unknown setting or a bad value. Immutable; sent to a child
+    process as `to_dict()`."""
+
+    __slots__ = tuple(SECTIONS)
+
+    def __init__(self, **kwargs: Any):
+        unknown = sorted(set(kwargs) - set(SECTION_OF))
         if unknown:
             raise ValueError(f"unknown server argument(s): {', '.join(unknown)}")
-        return cls(**kwargs)
+        grouped: dict[str, dict[str, Any]] = {name: {} for name in SECTIONS}
+        for key, value in kwargs.items():
+            grouped[SECTION_OF[key]][key] = value
+        for name, values in grouped.items():
+            object.__setattr__(self, name, SECTIONS[name](**values))
 
-    def resolved_device(self) -> str:
-        if self.device != "auto":
-            return self.device
-        import torch
+    model: ModelSettings
+    cache: CacheSettings
+    scheduler: SchedulerSettings
+    executor: ExecutorSettings
+    speculative: SpeculativeSettings
+    parallel: ParallelSettings
+    http: HTTPSettings
+    api: APISettings
 
-        return "cuda" if torch.cuda.is_available() else "cpu"
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError("ServerArgs is immutable; use replace()")
 
-    def with_device_defaults(self) -> "ServerArgs":
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, ServerArgs) and self.to_dict() == other.to_dict()
+
+    def __repr__(self) -> str:
+        return f"ServerArgs({', '.join(f'{k}={v!r}' for k, v in self.changed().items())})"
+
+    def to_dict(self) -> dict[str, Any]:
+        """Every setting by its flat name (ServerArgs(**that) makes these settings again)."""
+        return {key: getattr(getattr(self, section), key) for key, section in SECTION_OF.items()}
+
+    def changed(self) -> dict[str, Any]:
+        """The settings that differ from their defaults, by flat name."""
+        return {key: value for key, value in self.to_dict().items() if value != _DEFAULTS[key]}
+
+    def replace(self, **kwargs: Any) -> ServerArgs:
+        """These settings with some changed (by flat name, checked again)."""
+        return ServerArgs(**{**self.to_dict(), **kwargs})
+
+    def with_device_defaults(self) -> ServerArgs:
         """These settings with the device-dependent ones the user left unset filled in: a GPU
         batches far more requests, and larger prefill chunks, than a CPU core pair can."""
-        unset = [name for name in DEVICE_DEPENDENT_FIELDS if getattr(self, name) is None]
+        unset = [name for name in DEVICE_DEPENDENT_FIELDS if getattr(self.scheduler, name) is None]
         if not unset:
             return self
-        kind = self.resolved_device().split(":")[0]  # "cuda:1" is a CUDA device
+        kind = self.model.resolved_device().split(":")[0]  # "cuda:1" is a CUDA device
         defaults = DEVICE_DEFAULTS.get(kind, DEVICE_DEFAULTS["cpu"])
-        return dataclasses.replace(self, **{name: defaults[name] for name in unset})
+        return self.replace(**{name: defaults[name] for name in unset})
 
-    def resolved_dtype(self) -> "Any":
-        import torch
 
-        if self.dtype == "auto":
-            return torch.float32 if self.resolved_device() == "cpu" else torch.bfloat16
-        try:
-            return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[self.dtype]
-        except KeyError:
-            raise ValueError("dtype: must be auto, float32, bfloat16 or float16") from None
+_DEFAULTS = {f.name: f.default for cls in SECTIONS.values() for f in dataclasses.fields(cls)}

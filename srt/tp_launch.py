@@ -8,7 +8,6 @@ port when there is one node).
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import signal
 import socket
@@ -22,8 +21,8 @@ logger = logging.getLogger("radixlm.launch")
 
 
 def dist_addr(args: ServerArgs) -> str:
-    if args.dist_init_addr:
-        return args.dist_init_addr
+    if args.parallel.dist_init_addr:
+        return args.parallel.dist_init_addr
     with socket.socket() as s:  # one node: a free port on the loopback
         s.bind(("127.0.0.1", 0))
         return f"127.0.0.1:{s.getsockname()[1]}"
@@ -34,13 +33,13 @@ def start_node_ranks(children: Any, args: ServerArgs, addr: str, skip_rank0: boo
     returns the names their ready signals carry."""
     from .entrypoints.tp_follower import follower_name, run_tp_follower_process
 
-    per_node = args.tp_size // args.nnodes
+    per_node = args.parallel.tp_size // args.parallel.nnodes
     names = set()
     for local_rank in range(per_node):
-        rank = args.node_rank * per_node + local_rank
+        rank = args.parallel.node_rank * per_node + local_rank
         if rank == 0 and skip_rank0:
             continue
-        children.start(follower_name(rank), run_tp_follower_process, dataclasses.asdict(args), rank, local_rank,
+        children.start(follower_name(rank), run_tp_follower_process, args.to_dict(), rank, local_rank,
                        addr, children.addr("ready"))
         names.add(follower_name(rank))
     return names
@@ -54,7 +53,7 @@ class LocalRanks:
 
         from .executor import parallel
 
-        if args.nnodes > 1:
+        if args.parallel.nnodes > 1:
             raise ValueError("nnodes: an Engine runs on one node; serve several with `radixlm serve --nnodes`")
         parallel.check_devices(args)
         self.addr = dist_addr(args)
@@ -98,10 +97,11 @@ def serve_follower_node(args: ServerArgs) -> int:
     stopping = []
     signal.signal(signal.SIGTERM, lambda *_: stopping.append(True))
     try:
-        stage(f"node {args.node_rank} of {args.nnodes}: starting its tensor-parallel ranks; they meet at "
-              f"{args.dist_init_addr}")
-        wait_ready(ready, children, start_node_ranks(children, args, args.dist_init_addr, skip_rank0=False))
-        stage(f"node {args.node_rank}: ranks ready; serving node 0's requests")
+        parallel = args.parallel
+        stage(f"node {parallel.node_rank} of {parallel.nnodes}: starting its tensor-parallel ranks; they meet at "
+              f"{parallel.dist_init_addr}")
+        wait_ready(ready, children, start_node_ranks(children, args, parallel.dist_init_addr, skip_rank0=False))
+        stage(f"node {parallel.node_rank}: ranks ready; serving node 0's requests")
         while not stopping:
             if children.dead():
                 codes = [p.exitcode for p in children.procs.values()]

@@ -15,7 +15,7 @@ from triton_interpreter import run_in_interpreter
 from radixlm.srt.executor.mem_pool import KVPool, read_kv, to_fp8
 from radixlm.srt.executor.quantization import fp8
 from radixlm.srt.executor.quantization.fp8 import Fp8Linear, quantize_per_token_torch
-from radixlm.srt.server_args import ServerArgs
+from radixlm.srt.server_args import ModelSettings, ServerArgs
 
 PROMPTS = [
     "The capital of France is",
@@ -329,8 +329,8 @@ def test_fp8_kv_pool_dtype_and_capacity(kv8_engine, monkeypatch):
     # Sizing from device memory (faked: only the numbers matter) holds twice the tokens.
     from radixlm.srt.executor import model_runner
 
-    monkeypatch.setattr(ServerArgs, "resolved_device", lambda self: "cuda")
-    monkeypatch.setattr(ServerArgs, "resolved_dtype", lambda self: torch.bfloat16)
+    monkeypatch.setattr(ModelSettings, "resolved_device", lambda self: "cuda")
+    monkeypatch.setattr(ModelSettings, "resolved_dtype", lambda self: torch.bfloat16)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (40 * 2**30, 80 * 2**30))
     cfg = kv8_engine.model_config
     auto = model_runner.kv_slots_for(cfg, ServerArgs(mem_fraction_static=0.9))
@@ -422,10 +422,10 @@ def test_bad_values_are_refused_by_name(kwargs, name):
 
 
 def test_sglang_spellings_are_accepted():
-    assert ServerArgs(quantization="FP8").quantization == "fp8"
+    assert ServerArgs(quantization="FP8").model.quantization == "fp8"
     for spelling in ("fp8", "fp8_e4m3", "FP8_E4M3"):
-        assert ServerArgs(kv_cache_dtype=spelling).kv_cache_dtype == "fp8_e4m3"
-    assert ServerArgs().kv_cache_dtype == "auto" and ServerArgs().quantization is None
+        assert ServerArgs(kv_cache_dtype=spelling).model.kv_cache_dtype == "fp8_e4m3"
+    assert ServerArgs().model.kv_cache_dtype == "auto" and ServerArgs().model.quantization is None
 
 
 def test_device_without_fp8_is_refused(monkeypatch):

@@ -39,7 +39,7 @@ class FakeEngine:
 
     @staticmethod
     def kv_capacity(config, args) -> int:
-        return args.max_total_tokens
+        return args.cache.max_total_tokens
 
     def launch(self, plan: StepPlan) -> PendingStep:
         self.plans.append(plan)
@@ -111,7 +111,7 @@ def expected_output(req: Req) -> list[int]:
 def assert_no_leak(sched: Scheduler) -> None:
     stats = sched.kv_stats()
     assert stats["leaked"] == 0 and stats["protected"] == 0 and stats["held_by_requests"] == 0, stats
-    assert sched.req_table.available_size == sched.args.max_running_requests
+    assert sched.req_table.available_size == sched.args.scheduler.max_running_requests
 
 
 def test_the_policy_imports_no_torch():
@@ -148,10 +148,10 @@ def test_max_running_requests_caps_the_batch():
 
 def test_unset_batch_settings_take_the_devices_defaults():
     sched = make_scheduler(max_running_requests=None, chunked_prefill_size=None)
-    assert (sched.args.max_running_requests, sched.args.chunked_prefill_size) == (64, 2048)
+    assert (sched.args.scheduler.max_running_requests, sched.args.scheduler.chunked_prefill_size) == (64, 2048)
     assert sched.req_table.available_size == 64
     gpu = ServerArgs(device="cuda:1", chunked_prefill_size=4096).with_device_defaults()
-    assert (gpu.max_running_requests, gpu.chunked_prefill_size) == (512, 4096)  # what was given stays
+    assert (gpu.scheduler.max_running_requests, gpu.scheduler.chunked_prefill_size) == (512, 4096)  # what was given stays
 
 
 def test_a_long_prompt_is_prefilled_in_chunks():

@@ -75,9 +75,9 @@ def assert_no_leak(engine):
 
 def test_flags_are_checked():
     args = ServerArgs(speculative_algorithm="standalone", speculative_draft_model_path="x.gguf")
-    assert args.speculative_algorithm == "draft" and args.speculative_drafts_per_step == 4
+    assert args.speculative.speculative_algorithm == "draft" and args.speculative.drafts_per_step == 4
     assert ServerArgs(speculative_algorithm="DRAFT", speculative_draft_model_path="x",
-                      speculative_num_steps=2).speculative_drafts_per_step == 2
+                      speculative_num_steps=2).speculative.drafts_per_step == 2
     with pytest.raises(ValueError, match="speculative_draft_model_path: required"):
         ServerArgs(speculative_algorithm="draft")
     with pytest.raises(ValueError, match="ngram speculation drafts without a model"):

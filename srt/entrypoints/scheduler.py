@@ -57,7 +57,7 @@ def run_scheduler_process(server_args: dict[str, Any], recv_addr: str, send_addr
     ready.send(io_struct.encode(ReadySignal("scheduler", True, info={
         "max_total_tokens": scheduler.allocator.capacity, "context_len": scheduler.context_len,
         # the settings the scheduler filled in for its device, for the HTTP side's admission and reports
-        "device_defaults": {name: getattr(scheduler.args, name) for name in DEVICE_DEPENDENT_FIELDS}})))
+        "device_defaults": {name: getattr(scheduler.args.scheduler, name) for name in DEVICE_DEPENDENT_FIELDS}})))
     ready.close()
     try:
         SchedulerLoop(scheduler, recv, send, fatal_step_errors=sender is not None).run_forever()

@@ -39,7 +39,7 @@ VERIFY_AS_DECODE_MAX_ROWS = 256
 def kv_capacity(config, args: ServerArgs, tp: TensorParallel = TensorParallel()) -> int:
     """Token slots the KV pool can hold (--max-total-tokens, or what the device has room for;
     with a draft model, each slot holds both models' K/V)."""
-    if args.speculative_algorithm == "draft":
+    if args.speculative.speculative_algorithm == "draft":
         from .draft_model import kv_slots_with_draft
 
         return kv_slots_with_draft(config, args, tp)
@@ -52,18 +52,18 @@ class DeviceEngine:
                  tp: TensorParallel = TensorParallel()):
         """req_to_token: the scheduler's host table, read in place (a tensor view of it).
         tp: this rank's tensor-parallel group (the model's shard in `loaded` is its own)."""
-        self.device = torch.device(args.resolved_device())
+        self.device = torch.device(args.model.resolved_device())
         self.runner = ModelRunner(loaded, args, torch.from_numpy(req_to_token), num_kv_slots, tp)
         self.draft = None  # draft-model speculation: its own KV pool, the same slots
-        if args.speculative_algorithm == "draft":
+        if args.speculative.speculative_algorithm == "draft":
             from .draft_model import DraftModel
 
             self.draft = DraftModel(loaded, args, torch.from_numpy(req_to_token), num_kv_slots)
         self.eos_ids = tuple(eos_ids)
         self._grammar_backend = grammar_backend
         # Overlap gains nothing where the forward itself runs on the host (CPU).
-        self.overlap = self.device.type == "cuda" and not args.disable_overlap_schedule
-        self.last_tokens = torch.zeros(args.max_running_requests, dtype=torch.int64, device=self.device)
+        self.overlap = self.device.type == "cuda" and not args.scheduler.disable_overlap_schedule
+        self.last_tokens = torch.zeros(args.scheduler.max_running_requests, dtype=torch.int64, device=self.device)
         self._transfer = TokenTransfer(self.device)
         self._streams = SeededStreams(self.device)  # per-request device state: seeded random streams
 

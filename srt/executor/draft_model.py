@@ -38,9 +38,9 @@ def load_draft_model(args: ServerArgs, target=None, with_weights: bool = True):
     """The draft model, checked against the target's vocabulary when `target` is given."""
     from .model_loader import load_model
 
-    draft = load_model(args.speculative_draft_model_path, dtype=args.resolved_dtype(),
-                       load_format="dummy" if args.load_format == "dummy" else "auto",
-                       device=args.resolved_device(), with_weights=with_weights)
+    draft = load_model(args.speculative.speculative_draft_model_path, dtype=args.model.resolved_dtype(),
+                       load_format="dummy" if args.model.load_format == "dummy" else "auto",
+                       device=args.model.resolved_device(), with_weights=with_weights)
     if target is not None:
         check_same_vocabulary(target, draft)
     return draft
@@ -67,17 +67,17 @@ def kv_slots_with_draft(config, args: ServerArgs, tp: TensorParallel) -> int:
     tensor parallelism the draft is whole on rank 0, where this runs: the target's part of a
     token is the rank's (the other ranks, without a draft, have room for at least as many)."""
     target_only = kv_slots_for(config, args, tp)
-    if args.max_total_tokens is not None or args.resolved_device() == "cpu":
+    if args.cache.max_total_tokens is not None or args.model.resolved_device() == "cpu":
         return target_only
     draft = load_draft_model(args, with_weights=False).config
-    dtype = args.resolved_dtype()
-    kv_dtype = kv_cache_torch_dtype(args.kv_cache_dtype, dtype)  # as kv_slots_for counted the target's
+    dtype = args.model.resolved_dtype()
+    kv_dtype = kv_cache_torch_dtype(args.model.kv_cache_dtype, dtype)  # as kv_slots_for counted the target's
     per_token = [KVPool.bytes_per_token(c.num_layers, c.num_kv_heads, c.head_dim, kv_dtype)
                  for c in (rank_config(config, tp), draft)]
-    budget = target_only * per_token[0] - 2 * model_bytes(draft, dtype, args.quantization)
+    budget = target_only * per_token[0] - 2 * model_bytes(draft, dtype, args.model.quantization)
     slots = int(budget // sum(per_token))
     if slots < 4096:
-        raise ValueError(f"mem_fraction_static: {args.mem_fraction_static} leaves no room for the KV cache of "
+        raise ValueError(f"mem_fraction_static: {args.cache.mem_fraction_static} leaves no room for the KV cache of "
                          "the target and draft models")
     return slots
 
@@ -85,7 +85,7 @@ def kv_slots_with_draft(config, args: ServerArgs, tp: TensorParallel) -> int:
 class DraftModel:
     def __init__(self, target, args: ServerArgs, req_to_token: torch.Tensor, num_kv_slots: int):
         draft = load_draft_model(args, target)
-        context_len = args.context_length or target.config.context_len
+        context_len = args.model.context_length or target.config.context_len
         if draft.config.context_len < context_len:
             raise ValueError(f"speculative_draft_model_path: the draft model {draft.model_path} reads "
                              f"{draft.config.context_len} tokens of context, fewer than the {context_len} served "

@@ -6,7 +6,8 @@ attention backend), never by module state: two engines in one process may differ
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+
+from ..server_args import ExecutorSettings
 
 
 @dataclass(frozen=True)
@@ -17,7 +18,7 @@ class KernelOptions:
     fused_rotary_store: bool = True  # the rotation and the KV store in one launch (FlashInfer backend)
 
     @classmethod
-    def from_args(cls, args: Any) -> KernelOptions:
-        return cls(pdl=not args.disable_pdl, fp8_gemv=not args.disable_fp8_gemv,
-                   fused_fp8_quantization=not args.disable_fused_fp8_quantization,
-                   fused_rotary_store=not args.disable_fused_rotary_store)
+    def from_settings(cls, executor: ExecutorSettings) -> KernelOptions:
+        return cls(pdl=not executor.disable_pdl, fp8_gemv=not executor.disable_fp8_gemv,
+                   fused_fp8_quantization=not executor.disable_fused_fp8_quantization,
+                   fused_rotary_store=not executor.disable_fused_rotary_store)

@@ -12,7 +12,6 @@ import json
 import logging
 import math
 import os
-import re
 import time
 import zlib
 from collections.abc import Iterator, Mapping
@@ -23,6 +22,7 @@ from typing import Any
 import torch
 
 from ..configs import ModelConfig
+from ..server_args import looks_like_hub_id
 from .default_model import DEFAULT_MODEL_SHA256, default_model_path  # noqa: F401 (re-exported)
 from .gguf_loader import convert_gguf, convert_gguf_tokenizer
 from .models.sharding import Piece, ShardPlan
@@ -34,7 +34,6 @@ LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 # "org/name" or "name"; anything else that does not exist locally is a missing path.
-_HUB_ID_RE = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?")
 _DUMMY_STD = 0.02
 
 
@@ -159,7 +158,7 @@ def load_tokenizer(path: str | os.PathLike[str]) -> Any:
     if resolved.is_file():
         # A GGUF is parsed by transformers in tens of seconds; its cached HF copy loads in one.
         resolved = convert_gguf_tokenizer(resolved) if resolved.suffix == ".gguf" else resolved.parent
-    elif not resolved.exists() and not _looks_like_hub_id(os.fspath(path)):
+    elif not resolved.exists() and not looks_like_hub_id(os.fspath(path)):
         raise FileNotFoundError(f"tokenizer path not found: {path}")
     return AutoTokenizer.from_pretrained(str(resolved))
 
@@ -256,14 +255,10 @@ def _resolve(source: str, load_format: str, expected_sha256: str | None) -> tupl
                 return _resolve(str(ggufs[0]), load_format, expected_sha256)
             raise FileNotFoundError(f"{path} has no config.json and not exactly one .gguf file ({len(ggufs)} found)")
         return path, path / "config.json"
-    if _looks_like_hub_id(source):
+    if looks_like_hub_id(source):
         local_dir = _download_from_hub(source, with_weights=load_format != "dummy")
         return local_dir, local_dir / "config.json"
     raise FileNotFoundError(f"model path not found: {source}")
-
-
-def _looks_like_hub_id(source: str) -> bool:
-    return _HUB_ID_RE.fullmatch(source) is not None and not source.endswith((".gguf", ".json", ".safetensors"))
 
 
 def _download_from_hub(repo_id: str, with_weights: bool) -> Path:

@@ -35,15 +35,15 @@ class ModelRunner:
         one rank of one (the default) runs a whole model alone."""
         self.args = args
         self.tp = tp
-        self.device = torch.device(args.resolved_device())
+        self.device = torch.device(args.model.resolved_device())
         if self.device.type == "cuda":  # a rank's own GPU (parallel.py set it)
             self.device = torch.device("cuda", torch.cuda.current_device())
-        self.dtype = args.resolved_dtype()
+        self.dtype = args.model.resolved_dtype()
         self.config: ModelConfig = loaded.config
         start = time.perf_counter()
-        torch.manual_seed(args.random_seed)
+        torch.manual_seed(args.model.random_seed)
         cfg = self.config
-        self.kernels = KernelOptions.from_args(args)
+        self.kernels = KernelOptions.from_settings(args.executor)
         self.ops = select_ops(self.device, cfg.head_dim, self.kernels.pdl)
         # Parameters are made in the serving dtype on the device: an fp32 copy first would need
         # twice the memory (Mixtral-8x7B: 187 GB) before the cast.
@@ -58,12 +58,13 @@ class ModelRunner:
         # .to(device) too: rotary tables are built on the host (fp64 math) whatever the device.
         self.model.to(device=self.device, dtype=self.dtype).eval()
         # --quantization fp8, or an FP8 checkpoint: projections in FP8
-        apply_quantization(self.model, args.quantization, self.device, loaded.fp8_scales, self.kernels)
+        apply_quantization(self.model, args.model.quantization, self.device, loaded.fp8_scales, self.kernels)
         local = self.model.config  # this rank's heads under tensor parallelism
-        kv_dtype = kv_cache_torch_dtype(args.kv_cache_dtype, self.dtype)  # --kv-cache-dtype fp8_e4m3: FP8
+        kv_dtype = kv_cache_torch_dtype(args.model.kv_cache_dtype, self.dtype)  # --kv-cache-dtype fp8_e4m3: FP8
         self.kv_pool = KVPool(num_kv_slots, cfg.num_layers, local.num_kv_heads, cfg.head_dim, kv_dtype, self.device,
                               pdl=self.kernels.pdl)
-        self.attention_backend_name = resolve_attention_backend(args.attention_backend, self.device, self.dtype)
+        self.attention_backend_name = resolve_attention_backend(args.executor.attention_backend, self.device,
+                                                                self.dtype)
         self.attn_backend = self._make_backend(req_to_token)
         self.graph_runner = self._make_graph_runner(req_to_token)
         self.step_sender = None
@@ -79,8 +80,8 @@ class ModelRunner:
         cfg = self.config
         # Windows and soft-caps reach the backend per layer; one it cannot compute refuses the model.
         layers = layer_specs(cfg.sliding_windows, cfg.num_layers, cfg.attn_logit_softcap,
-                             self.args.context_length or cfg.context_len)
-        cascade = not self.args.disable_cascade_attention
+                             self.args.model.context_length or cfg.context_len)
+        cascade = not self.args.executor.disable_cascade_attention
         if self.attention_backend_name == "torch_native":
             from .attention.torch_native import TorchNativeBackend
 
@@ -90,18 +91,19 @@ class ModelRunner:
 
         check_backend_supports(FlashInferBackend, layers, cfg.architecture)
         local = self.model.config
-        return FlashInferBackend(self.kv_pool, req_to_token, self.args.page_size, local.num_heads, local.num_kv_heads,
-                                 cfg.head_dim, cfg.attention_scale, self.dtype, cascade=cascade, layers=layers,
+        return FlashInferBackend(self.kv_pool, req_to_token, self.args.cache.page_size, local.num_heads,
+                                 local.num_kv_heads, cfg.head_dim, cfg.attention_scale, self.dtype, cascade=cascade,
+                                 layers=layers,
                                  fused_rotary_store=self.kernels.fused_rotary_store)
 
     def _make_graph_runner(self, req_to_token: torch.Tensor):
         # The backend says whether it can be captured (torch_native cannot); no name checks here.
-        if self.args.disable_cuda_graph or not self.attn_backend.supports_cuda_graph:
+        if self.args.executor.disable_cuda_graph or not self.attn_backend.supports_cuda_graph:
             return None
         from .cuda_graph_runner import CudaGraphRunner
 
-        max_bs = min(self.args.cuda_graph_max_bs, self.args.max_running_requests)
-        max_pages_per_req = -(-req_to_token.shape[1] // self.args.page_size)
+        max_bs = min(self.args.executor.cuda_graph_max_bs, self.args.scheduler.max_running_requests)
+        max_pages_per_req = -(-req_to_token.shape[1] // self.args.cache.page_size)
         with torch.inference_mode():
             return CudaGraphRunner(self.model, self.attn_backend, max_bs, max_pages_per_req, self.device)
 
@@ -145,23 +147,23 @@ def resolve_attention_backend(name: str, device: torch.device, dtype: torch.dtyp
 
 def kv_slots_for(config: ModelConfig, args: ServerArgs, tp: parallel.TensorParallel = parallel.TensorParallel()) -> int:
     """The KV budget in tokens: --max-total-tokens, or a default sized for the device."""
-    if args.max_total_tokens is not None:
-        if args.max_total_tokens < 1:
+    if args.cache.max_total_tokens is not None:
+        if args.cache.max_total_tokens < 1:
             raise ValueError("max_total_tokens: must be >= 1")
-        return args.max_total_tokens
-    if args.resolved_device() == "cpu":
+        return args.cache.max_total_tokens
+    if args.model.resolved_device() == "cpu":
         return CPU_DEFAULT_KV_TOKENS
-    dtype = args.resolved_dtype()
+    dtype = args.model.resolved_dtype()
     free, total = torch.cuda.mem_get_info()
     # This rank's part of the weights and of each token's KV; every rank then takes the
     # smallest count, so slot numbers mean the same on all.
     local = rank_config(config, tp)
     # Called before the runner builds its copy of the weights (the loaded ones are freed after).
-    budget = free - (1.0 - args.mem_fraction_static) * total - model_bytes(local, dtype, args.quantization)
+    budget = free - (1.0 - args.cache.mem_fraction_static) * total - model_bytes(local, dtype, args.model.quantization)
     bytes_per_token = KVPool.bytes_per_token(local.num_layers, local.num_kv_heads, local.head_dim,
-                                             kv_cache_torch_dtype(args.kv_cache_dtype, dtype))
+                                             kv_cache_torch_dtype(args.model.kv_cache_dtype, dtype))
     if budget < bytes_per_token * 4096:
-        raise ValueError(f"mem_fraction_static: {args.mem_fraction_static} leaves no room for the KV cache "
+        raise ValueError(f"mem_fraction_static: {args.cache.mem_fraction_static} leaves no room for the KV cache "
                          f"({free / 2**30:.1f} GiB free of {total / 2**30:.1f} GiB)")
     return tp.min_on_host(int(budget // bytes_per_token))
 

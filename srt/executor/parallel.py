@@ -130,41 +130,41 @@ def shutdown() -> None:
 
 def rank_device(args: Any, local_rank: int) -> str:
     """The device a rank runs on: its GPU on the node (cuda:local_rank), or the CPU."""
-    device = args.resolved_device()
-    if device == "cuda" and args.tp_size > 1:
+    device = args.model.resolved_device()
+    if device == "cuda" and args.parallel.tp_size > 1:
         return f"cuda:{local_rank}"
     return device
 
 
 def check_devices(args: Any) -> None:
     """Refuses more ranks on this node than it has GPUs, before anything starts."""
-    if args.resolved_device() != "cuda":
+    if args.model.resolved_device() != "cuda":
         return
-    per_node = args.tp_size // args.nnodes
+    per_node = args.parallel.tp_size // args.parallel.nnodes
     found = torch.cuda.device_count()
     if per_node > found:
-        raise ValueError(f"tp_size: {args.tp_size} ranks over {args.nnodes} node(s) need {per_node} GPUs on "
-                         f"this node; {found} found")
+        raise ValueError(f"tp_size: {args.parallel.tp_size} ranks over {args.parallel.nnodes} node(s) need {per_node} "
+                         f"GPUs on this node; {found} found")
 
 
 def prepare_rank(args: Any, local_rank: int) -> str:
     """Before a rank loads its weights: its GPU becomes the current device, and on CPU the
     node's cores are divided among its ranks (each would otherwise spin on all of them)."""
     device = rank_device(args, local_rank)
-    if args.tp_size == 1:
+    if args.parallel.tp_size == 1:
         return device
     if device.startswith("cuda"):
         torch.cuda.set_device(torch.device(device))
     else:
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // (args.tp_size // args.nnodes)))
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // (args.parallel.tp_size // args.parallel.nnodes)))
     return device
 
 
 def init_tensor_parallel(args: Any, rank: int, local_rank: int, init_addr: str) -> TensorParallel:
-    """Joins the rendezvous at `init_addr` (host:port) as `rank` of `args.tp_size` and sets up
+    """Joins the rendezvous at `init_addr` (host:port) as `rank` of `args.parallel.tp_size` and sets up
     this process's groups (after `prepare_rank`). Raises, naming the ranks that did not join,
     after `dist_timeout`."""
-    size, timeout = args.tp_size, float(args.dist_timeout)
+    size, timeout = args.parallel.tp_size, float(args.parallel.dist_timeout)
     host, port = split_addr(init_addr)
     device = rank_device(args, local_rank)
     store = _rendezvous(host, port, rank, size, timeout)
@@ -175,8 +175,8 @@ def init_tensor_parallel(args: Any, rank: int, local_rank: int, init_addr: str) 
     cpu_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout)) \
         if backend == "nccl" else dist.group.WORLD
     one_shot = None
-    if backend == "nccl" and args.tp_all_reduce == "one_shot":
-        one_shot = one_shot_all_reduce_buffer(torch.device(device), args.resolved_dtype())
+    if backend == "nccl" and args.parallel.tp_all_reduce == "one_shot":
+        one_shot = one_shot_all_reduce_buffer(torch.device(device), args.model.resolved_dtype())
     logger.info("tensor parallel rank %d of %d on %s (%s)", rank, size, device, backend)
     return TensorParallel(rank, size, dist.group.WORLD, cpu_group, timeout, one_shot)
 

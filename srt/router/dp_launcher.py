@@ -10,10 +10,8 @@ replicas are stopped)."""
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import collections
-import dataclasses
 import logging
 import os
 import signal
@@ -27,13 +25,13 @@ from typing import Any
 import httpx
 
 from ..process_utils import bind_port, stage
-from ..server_args import ServerArgs
+from ..server_args import API_KEY_ENV, ServerArgs
+from ..server_flags import to_flags
 from .cli import RouterConfig, raise_open_files_limit, serve_router
 
 logger = logging.getLogger("radixlm.dp")
 
 READY_TIMEOUT_S = 900.0
-API_KEY_ENV = "RADIXLM_API_KEY"
 _LOG_TAIL = 40  # lines of a replica's output kept for the error when it fails to start
 
 
@@ -43,37 +41,32 @@ def _free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def replica_argv(args: ServerArgs, ns: argparse.Namespace, port: int) -> list[str]:
-    """The replica's command line: every flag the user changed, but dp_size 1 on 127.0.0.1:port;
-    the API key travels in the environment (kept out of `ps`)."""
-    argv = [sys.executable, "-m", "radixlm.srt.launch"]
-    skip = {"dp_size", "host", "port", "api_key", "dist_init_addr"}  # each replica its own rendezvous
-    for f in dataclasses.fields(ServerArgs):
-        value = getattr(args, f.name)
-        if f.name in skip or value == f.default:
-            continue
-        flag = "--" + f.name.replace("_", "-")
-        argv += [flag] if isinstance(value, bool) else [flag, str(value)]
-    if ns.served_model_name:
-        argv += ["--served-model-name", ns.served_model_name]
-    return argv + ["--log-level", ns.log_level, "--host", "127.0.0.1", "--port", str(port)]
+def replica_argv(args: ServerArgs, port: int) -> list[str]:
+    """The replica's command line: every setting the user changed, but dp_size 1 on
+    127.0.0.1:port; the API key travels in the environment (kept out of `ps`)."""
+    skip = {"dp_size", "host", "port", "api_key", "dist_init_addr", "log_level"}  # each replica its own rendezvous
+    changed = {name: value for name, value in args.changed().items() if name not in skip}
+    return [sys.executable, "-m", "radixlm.srt.launch", *to_flags(changed), "--log-level", args.http.log_level,
+            "--host", "127.0.0.1", "--port", str(port)]
 
 
 def gpu_groups(args: ServerArgs) -> list[str | None]:
     """CUDA_VISIBLE_DEVICES of each replica (None on CPU). Raises ValueError when fewer GPUs are
     visible than dp_size x tp_size."""
-    if args.resolved_device() != "cuda":
-        return [None] * args.dp_size
+    if args.model.resolved_device() != "cuda":
+        return [None] * args.parallel.dp_size
     import torch
 
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     ids = [d.strip() for d in visible.split(",") if d.strip()] if visible else \
         [str(i) for i in range(torch.cuda.device_count())]
-    wanted = args.dp_size * args.tp_size
+    wanted = args.parallel.dp_size * args.parallel.tp_size
     if wanted > len(ids):
-        raise ValueError(f"dp_size: --dp-size {args.dp_size} x --tp-size {args.tp_size} needs {wanted} GPUs; "
+        raise ValueError(f"dp_size: --dp-size {args.parallel.dp_size} x --tp-size {args.parallel.tp_size} needs "
+                         f"{wanted} GPUs; "
                          f"{len(ids)} visible" + (f" (CUDA_VISIBLE_DEVICES={visible})" if visible else ""))
-    return [",".join(ids[i * args.tp_size:(i + 1) * args.tp_size]) for i in range(args.dp_size)]
+    tp = args.parallel.tp_size
+    return [",".join(ids[i * tp:(i + 1) * tp]) for i in range(args.parallel.dp_size)]
 
 
 def _die_with_parent() -> None:
@@ -143,37 +136,38 @@ def _wait_ready(replicas: list[Replica], api_key: str | None) -> None:
             time.sleep(0.5)
 
 
-def launch_dp(args: ServerArgs, ns: argparse.Namespace) -> int:
-    if args.nnodes > 1:
+def launch_dp(args: ServerArgs) -> int:
+    if args.parallel.nnodes > 1:
         logger.error("dp_size: --dp-size with --nnodes > 1 is not supported; start the replicas on each host "
                      "and put `radixlm router --worker-urls ...` in front")
         return 1
     try:
         groups = gpu_groups(args)
-        sock = bind_port(args.host, args.port)
+        sock = bind_port(args.http.host, args.http.port)
     except (ValueError, OSError) as e:
         logger.error("%s", e)
         return 1
     raise_open_files_limit()  # before the replicas start: they inherit it
     env = dict(os.environ)
-    if args.api_key:
-        env[API_KEY_ENV] = args.api_key
+    if args.http.api_key:
+        env[API_KEY_ENV] = args.http.api_key
     if groups[0] is None and "OMP_NUM_THREADS" not in env:
         # CPU replicas share the cores; each spinning on all of them would slow every one down.
-        env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // args.dp_size))
+        env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // args.parallel.dp_size))
     replicas: list[Replica] = []
     try:
-        stage(f"starting {args.dp_size} replicas")
+        stage(f"starting {args.parallel.dp_size} replicas")
         for i, gpus in enumerate(groups):
             port = _free_port()
             replica_env = env if gpus is None else {**env, "CUDA_VISIBLE_DEVICES": gpus}
-            replicas.append(Replica(i, replica_argv(args, ns, port), replica_env, f"http://127.0.0.1:{port}"))
+            replicas.append(Replica(i, replica_argv(args, port), replica_env, f"http://127.0.0.1:{port}"))
             logger.info("replica %d: pid %d, %s%s", i, replicas[-1].proc.pid, replicas[-1].url,
                         f", GPUs {gpus}" if gpus else "")
-        _wait_ready(replicas, args.api_key)
-        config = RouterConfig(worker_urls=[r.url for r in replicas], host=args.host, port=args.port,
-                              api_key=args.api_key, max_request_bytes=args.max_request_bytes,
-                              graceful_shutdown_timeout=args.graceful_shutdown_timeout, log_level=ns.log_level)
+        _wait_ready(replicas, args.http.api_key)
+        config = RouterConfig(worker_urls=[r.url for r in replicas], host=args.http.host, port=args.http.port,
+                              api_key=args.http.api_key, max_request_bytes=args.http.max_request_bytes,
+                              graceful_shutdown_timeout=args.http.graceful_shutdown_timeout,
+                              log_level=args.http.log_level)
         return asyncio.run(serve_router(config, sock, supervise=lambda pool, server: _supervise(replicas, pool,
                                                                                                  server)))
     except RuntimeError as e:
@@ -187,7 +181,7 @@ def launch_dp(args: ServerArgs, ns: argparse.Namespace) -> int:
             if r.proc.poll() is None:
                 r.proc.send_signal(signal.SIGTERM)
         for r in replicas:
-            r.stop(args.graceful_shutdown_timeout + 10)
+            r.stop(args.http.graceful_shutdown_timeout + 10)
         stage("stopped")
 
 

@@ -10,7 +10,7 @@ from typing import Callable
 from ..constrained.backend import valid_draft_len
 from ..core.request import Req
 from ..core.step import ExtendPlan, StepPlan
-from ..server_args import ServerArgs
+from ..server_args import SpeculativeSettings
 from .draft_pacing import DraftPacing
 from .lockstep import needs_host_tokens
 from .ngram import TokenHistory, propose_ngram
@@ -40,15 +40,16 @@ class DecodeManager:
     admission reserve's ratio and each speculating request's drafting state. `requeue` takes a
     retracted request back to the waiting queue."""
 
-    def __init__(self, kv: RequestKV, args: ServerArgs, context_len: int, requeue: Callable[[Req], None]):
+    def __init__(self, kv: RequestKV, speculative: SpeculativeSettings, context_len: int,
+                 requeue: Callable[[Req], None]):
         self.kv = kv
         self.context_len = context_len
-        self.page_size = args.page_size
+        self.page_size = kv.page_size
         self.requeue = requeue
-        self.num_drafts = args.speculative_drafts_per_step  # draft tokens a verify step checks
-        self.drafts_by_model = args.speculative_algorithm == "draft"
-        self.ngram_windows = (args.speculative_ngram_max_match_window_size,
-                              args.speculative_ngram_min_match_window_size)
+        self.num_drafts = speculative.drafts_per_step  # draft tokens a verify step checks
+        self.drafts_by_model = speculative.speculative_algorithm == "draft"
+        self.ngram_windows = (speculative.speculative_ngram_max_match_window_size,
+                              speculative.speculative_ngram_min_match_window_size)
         self.running: list[Req] = []
         self.new_token_ratio = INIT_NEW_TOKEN_RATIO
         self._drafting: dict[Req, _Drafting] = {}

@@ -9,7 +9,7 @@ from typing import Callable
 from ...radix import RadixCache, common_prefix_len
 from ..core.request import FinishReason, Req
 from ..core.step import ExtendPlan
-from ..server_args import ServerArgs
+from ..server_args import SchedulerSettings
 from .request_kv import RequestKV
 
 LPM_MAX_QUEUE = 256  # sorting a longer queue by cached prefix costs more than it saves
@@ -21,12 +21,13 @@ class PrefillManager:
     """Owns `waiting` (requests not yet admitted, or retracted) and `chunked` (the request whose
     prompt is part way through a chunked prefill)."""
 
-    def __init__(self, kv: RequestKV, tree: RadixCache, args: ServerArgs):
+    def __init__(self, kv: RequestKV, tree: RadixCache, settings: SchedulerSettings):
+        """settings: with the device's defaults filled in (ServerArgs.with_device_defaults)."""
         self.kv = kv
         self.tree = tree
-        self.budget = min(args.max_prefill_tokens, args.chunked_prefill_size)
-        self.max_running = args.max_running_requests
-        self.longest_prefix_first = args.schedule_policy == "lpm"
+        self.budget = min(settings.max_prefill_tokens, settings.chunked_prefill_size)
+        self.max_running = settings.max_running_requests
+        self.longest_prefix_first = settings.schedule_policy == "lpm"
         self.waiting: deque[Req] = deque()
         self.chunked: Req | None = None
 

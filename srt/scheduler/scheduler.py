@@ -51,19 +51,21 @@ class Scheduler:
         self.args = args = args.with_device_defaults()
         self.config = loaded.config
         self.tokenizer = loaded.tokenizer
-        self.context_len = args.context_length or self.config.context_len
+        self.context_len = args.model.context_length or self.config.context_len
         self.eos_ids = _eos_ids(self.config, self.tokenizer)
-        self.allocator = PageAllocator(engine_factory.kv_capacity(self.config, args), args.page_size)
-        self.req_table = ReqToTokenTable(args.max_running_requests, self.context_len + 1)
-        self.tree = RadixCache(self.allocator.capacity, self.allocator.free, page_size=args.page_size,
-                               disable=args.disable_radix_cache)
-        self.kv = RequestKV(self.allocator, self.req_table, self.tree, args.page_size)
+        self.allocator = PageAllocator(engine_factory.kv_capacity(self.config, args), args.cache.page_size)
+        self.req_table = ReqToTokenTable(args.scheduler.max_running_requests, self.context_len + 1)
+        self.tree = RadixCache(self.allocator.capacity, self.allocator.free, page_size=args.cache.page_size,
+                               disable=args.cache.disable_radix_cache)
+        self.kv = RequestKV(self.allocator, self.req_table, self.tree, args.cache.page_size)
         self.constraints = ConstrainedDecoding(self.tokenizer, self.config.vocab_size, self.eos_ids,
-                                               args.grammar_compile_timeout, not args.disable_jump_forward)
-        self.engine = engine_factory(loaded, args, self.req_table.table, self.allocator.num_pages * args.page_size,
-                                     eos_ids=self.eos_ids, grammar_backend=lambda: self.constraints.cache.backend)
-        self.prefill = PrefillManager(self.kv, self.tree, args)
-        self.decode = DecodeManager(self.kv, args, self.context_len, requeue=self.prefill.requeue)
+                                               args.scheduler.grammar_compile_timeout,
+                                               not args.scheduler.disable_jump_forward)
+        num_slots = self.allocator.num_pages * args.cache.page_size
+        self.engine = engine_factory(loaded, args, self.req_table.table, num_slots, eos_ids=self.eos_ids,
+                                     grammar_backend=lambda: self.constraints.cache.backend)
+        self.prefill = PrefillManager(self.kv, self.tree, args.scheduler)
+        self.decode = DecodeManager(self.kv, args.speculative, self.context_len, requeue=self.prefill.requeue)
         self.pending: PendingStep | None = None  # launched, not committed yet
         self.in_flight: list[Req] = []  # the requests of the step being launched or run
         self._stepped: list[Req] = []  # requests that produced something since step() began
@@ -160,14 +162,14 @@ class Scheduler:
         parts = self.prefill.plan(len(self.decode.running), self.decode.reserve_for)
         if not parts:
             return self.decode.plan()
-        riders = self.decode.riders() if self.args.enable_mixed_chunk else []
+        riders = self.decode.riders() if self.args.scheduler.enable_mixed_chunk else []
         needs_host = any(p.input_logprobs or (p.samples and needs_host_tokens(p.req)) for p in parts)
         return StepPlan(parts + riders, decode=False, needs_host_tokens=needs_host)
 
     def _lockstep(self, plan: StepPlan) -> bool:
         """Whether the step after `plan` reads its tokens on the host. With mixed chunks every
         step may carry riders, which feed their newest tokens from the host."""
-        return not self.overlap or plan.needs_host_tokens or self.args.enable_mixed_chunk
+        return not self.overlap or plan.needs_host_tokens or self.args.scheduler.enable_mixed_chunk
 
     def _launch(self, plan: StepPlan) -> PendingStep:
         self.in_flight = plan.reqs
@@ -268,7 +270,7 @@ class Scheduler:
             "cache": self.tree.stats,
             "context_len": self.context_len,
             "max_total_tokens": self.allocator.capacity,
-            "page_size": self.args.page_size,
+            "page_size": self.args.cache.page_size,
             "speculative": self.spec_stats(),
             "overlap": {"enabled": self.overlap, "steps": self.steps_launched,
                         "overlapped_steps": self.steps_overlapped},
@@ -277,7 +279,7 @@ class Scheduler:
     def spec_stats(self) -> dict[str, Any]:
         """Verify steps and the tokens each produced on average (accepted drafts + 1)."""
         steps = self.spec_verify_steps
-        return {"algorithm": self.args.speculative_algorithm, "verify_steps": steps,
+        return {"algorithm": self.args.speculative.speculative_algorithm, "verify_steps": steps,
                 "accepted_tokens": self.spec_accepted_tokens,
                 "mean_accepted_length": round(1 + self.spec_accepted_tokens / steps, 3) if steps else None}
 
@@ -285,7 +287,7 @@ class Scheduler:
         """KV accounting; `leaked` must be 0 when no request holds memory."""
         free = self.allocator.available_size
         evictable, protected = self.tree.evictable_size, self.tree.protected_size
-        ps = self.args.page_size
+        ps = self.args.cache.page_size
         holders = self.decode.running + ([self.prefill.chunked] if self.prefill.chunked else [])
         held = sum(-(-r.kv_len // ps) * ps - r.cached_len for r in holders if r.req_pool_idx is not None)
         capacity = self.allocator.capacity
