@@ -1,6 +1,6 @@
 """What a tensor-parallel all-reduce costs on two GPUs, as decode uses it: bf16 [batch, hidden]
 sums replayed from a CUDA graph, through NCCL (the baseline) and through the opt-in one-shot
-all-reduce on symmetric memory (RADIXLM_TP_ALLREDUCE=one_shot). One JSON line per size with
+all-reduce on symmetric memory (--tp-all-reduce one_shot). One JSON line per size with
 microseconds per all-reduce for each, the ratio, and whether the sums agree.
 
   python -m benchmarks.bench_gpu_allreduce --out benchmarks/results/gpu_h200x2_allreduce.jsonl
@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import multiprocessing as mp
 import os
-from types import SimpleNamespace
 
 from .gpu_measure import gpu_reporter
 from .harness import free_port
@@ -25,29 +24,24 @@ CALLS_PER_GRAPH = 160  # the 70B shape's all-reduces in one decode step
 def _worker(rank: int, addr: str, sizes: list[tuple[int, int]], queue) -> None:
     import torch
 
-    from radixlm.srt.executor import parallel
+    import dataclasses
 
-    args = SimpleNamespace(tp_size=2, nnodes=1, dist_timeout=60.0, resolved_device=lambda: "cuda",
-                           resolved_dtype=lambda: torch.bfloat16)
+    from radixlm.srt.executor import parallel
+    from radixlm.srt.server_args import ServerArgs
+
+    args = ServerArgs(tp_size=2, dist_timeout=60.0, device="cuda", dtype="bfloat16", tp_all_reduce="one_shot")
     parallel.prepare_rank(args, rank)
-    tp = parallel.init_tensor_parallel(args, rank, rank, addr)
-    device = torch.device("cuda", rank)
-    one_shot = parallel.enable_one_shot_all_reduce(device, torch.bfloat16)
+    paths = {"one_shot": parallel.init_tensor_parallel(args, rank, rank, addr)}
+    paths["nccl"] = dataclasses.replace(paths["one_shot"], one_shot_buffer=None)
     results = []
     for batch, hidden in sizes:
         line = {"batch": batch, "hidden": hidden}
-        x = torch.full((batch, hidden), float(rank + 1), dtype=torch.bfloat16, device=device)
+        x = torch.full((batch, hidden), float(rank + 1), dtype=torch.bfloat16, device=torch.device("cuda", rank))
         for path in ("nccl", "one_shot"):
-            if path == "one_shot" and not one_shot:
+            if paths[path].one_shot_buffer is None and path == "one_shot":
                 line["one_shot"] = "unavailable"
                 continue
-            saved = dict(parallel._ONE_SHOT)
-            if path == "nccl":
-                parallel._ONE_SHOT.clear()
-            try:
-                line[f"{path}_us"], line[f"{path}_sum_ok"] = _time_graph(tp, x)
-            finally:
-                parallel._ONE_SHOT.update(saved)
+            line[f"{path}_us"], line[f"{path}_sum_ok"] = _time_graph(paths[path], x)
         results.append(line)
     if rank == 0:
         queue.put(results)

@@ -58,37 +58,24 @@ def bench_decode(make_engine, rep: Reporter) -> None:
 
     bw = measure_bandwidth()
     best_bw = max(bw.values()) * 1e12
-    from radixlm.srt.executor import pdl
-    from radixlm.srt.executor.attention import flashinfer_backend
-    from radixlm.srt.executor.quantization import fp8 as fp8_module
-
     ms = {}
-    default_gemv = fp8_module._fp8_gemv
     # fp8: the default dispatch (fp8_gemv up to GEMV_MAX_ROWS rows); fp8_scaled_mm: every batch
     # through quantize + torch._scaled_mm, captured into the graphs as such.
     # fp8_no_pdl: the default path with our kernels launched plainly (see srt/executor/pdl.py).
     # fp8_unfused_rotary: the rotation and the KV store as two kernels (the default fuses them).
-    for name, kwargs, gemv in (("bf16", {}, default_gemv), ("fp8", {"quantization": "fp8"}, default_gemv),
-                               ("fp8_no_pdl", {"quantization": "fp8"}, default_gemv),
-                               ("fp8_unfused_rotary", {"quantization": "fp8"}, default_gemv),
-                               ("fp8_scaled_mm", {"quantization": "fp8"}, None)):
-        fp8_module._fp8_gemv = gemv
-        pdl.set_enabled(name != "fp8_no_pdl")
-        flashinfer_backend.set_fused_rotary_store(name != "fp8_unfused_rotary")
-        try:
-            engine = make_engine(max_running_requests=8, cuda_graph_max_bs=8, **kwargs)
-            ms[name] = decode_ms_per_token(engine, random_prompts(random.Random(1), [128])[0])
-            # Where the rest of the step goes, kernel by kernel: profiled without PDL, whose kernels
-            # overlap (each one's profiled time would include its wait for the one before).
-            if name == "fp8_no_pdl":
-                prompt = random_prompts(random.Random(1), [128])[0]
-                profile(lambda: engine.generate(input_ids=prompt, sampling_params={
-                    "temperature": 0, "max_new_tokens": 64, "ignore_eos": True}),
-                    "fp8 batch-1 decode without PDL, 64 tokens", rows=25)
-        finally:
-            fp8_module._fp8_gemv = default_gemv
-            pdl.set_enabled(True)
-            flashinfer_backend.set_fused_rotary_store(True)
+    fp8 = {"quantization": "fp8"}
+    for name, kwargs in (("bf16", {}), ("fp8", fp8), ("fp8_no_pdl", {**fp8, "disable_pdl": True}),
+                         ("fp8_unfused_rotary", {**fp8, "disable_fused_rotary_store": True}),
+                         ("fp8_scaled_mm", {**fp8, "disable_fp8_gemv": True})):
+        engine = make_engine(max_running_requests=8, cuda_graph_max_bs=8, **kwargs)
+        ms[name] = decode_ms_per_token(engine, random_prompts(random.Random(1), [128])[0])
+        # Where the rest of the step goes, kernel by kernel: profiled without PDL, whose kernels
+        # overlap (each one's profiled time would include its wait for the one before).
+        if name == "fp8_no_pdl":
+            prompt = random_prompts(random.Random(1), [128])[0]
+            profile(lambda: engine.generate(input_ids=prompt, sampling_params={
+                "temperature": 0, "max_new_tokens": 64, "ignore_eos": True}),
+                "fp8 batch-1 decode without PDL, 64 tokens", rows=25)
         config = engine.model_config
         free_engine(engine)
     fp8_bytes = model_bytes(config, torch.bfloat16, "fp8")
@@ -100,7 +87,7 @@ def bench_decode(make_engine, rep: Reporter) -> None:
     rep.emit({"bench": "gpu_fp8_decode_bs1", "prompt_tokens": 128, "ms_per_token": round(ms["fp8"], 3),
               "tok_s": round(1e3 / ms["fp8"], 1), "baseline": "bf16 weights, batch-1 decode, measured in this run",
               "bf16_ms_per_token": round(ms["bf16"], 3), "speedup_vs_bf16": round(ms["bf16"] / ms["fp8"], 3),
-              "fp8_default_path": "fp8_gemv (Triton) <= 16 rows" if default_gemv else "torch._scaled_mm",
+              "fp8_default_path": "fp8_gemv (Triton) <= 16 rows",
               "fp8_scaled_mm_ms_per_token": round(ms["fp8_scaled_mm"], 3),
               "fp8_without_pdl_ms_per_token": round(ms["fp8_no_pdl"], 3),
               "pdl_speedup": round(ms["fp8_no_pdl"] / ms["fp8"], 3),
@@ -130,6 +117,17 @@ def measure_fp8_gemm_tflops(n: int = 8192) -> float:
     return 2 * n**3 / seconds / 1e12
 
 
+def set_fp8_options(engine, **changes) -> None:
+    """Changes the kernel options of an engine's FP8 projections (one engine, both ways)."""
+    import dataclasses
+
+    from radixlm.srt.executor.quantization.fp8 import Fp8Linear
+
+    for module in engine.scheduler.engine.runner.model.modules():
+        if isinstance(module, Fp8Linear):
+            module.options = dataclasses.replace(module.options, **changes)
+
+
 def bench_prefill(make_engine, rep: Reporter) -> None:
     peak = measure_fp8_gemm_tflops()
     engine = make_engine(quantization="fp8", max_running_requests=16, cuda_graph_max_bs=16)
@@ -142,17 +140,13 @@ def bench_prefill(make_engine, rep: Reporter) -> None:
         engine.generate(input_ids=prompts, sampling_params={"temperature": 0, "max_new_tokens": 1, "ignore_eos": True})
         engine.flush_cache()
 
-    from radixlm.srt.executor.quantization import fp8 as fp8_module
-
     run()
     seconds = gpu_seconds(run, 3)
     profile(run, "fp8 prefill, 8 x 2048 tokens", rows=25)
-    # The same prefill with the norms and SiLU-and-mul leaving quantization to its own kernel.
-    fp8_module.set_fused_quantization(False)
-    try:
-        separate_seconds = gpu_seconds(run, 3)
-    finally:
-        fp8_module.set_fused_quantization(True)
+    # The same prefill with the norms and SiLU-and-mul leaving quantization to its own kernel
+    # (--disable-fused-fp8-quantization, set on this engine's projections).
+    set_fp8_options(engine, fused_fp8_quantization=False)
+    separate_seconds = gpu_seconds(run, 3)
     free_engine(engine)
     tokens = num * length
     tflops = prefill_flops(config, num, length) / seconds / 1e12
@@ -251,7 +245,7 @@ def bench_accuracy(rep: Reporter, gguf: str, num: int = 64, new_tokens: int = 32
 
     params = {"temperature": 0, "max_new_tokens": new_tokens, "ignore_eos": True}
     base = Engine(gguf, max_total_tokens=65536)
-    dtype = str(base.server_args.resolved_dtype()).removeprefix("torch.")
+    dtype = str(base.server_args.model.resolved_dtype()).removeprefix("torch.")
     prompts = accuracy_prompts(base.tokenizer, num)
     ref = base.generate(input_ids=prompts, sampling_params=params, return_logprob=True)
     ref_ids = [o["output_ids"] for o in ref]

@@ -106,17 +106,17 @@ def bench_shape(rep: Reporter, name: str, n: int, k: int, rows: int, sweep: bool
 def bench_stack(rep: Reporter, bw: dict) -> None:
     """Batch-1: every layer's four projections (distinct weights, as in the model), FP8 via
     fp8_gemv vs bf16 cuBLAS, against the bandwidth roofline of those bytes."""
-    from radixlm.srt.executor import pdl
     from radixlm.srt.executor.quantization.fp8_gemv import fp8_gemv
 
     x = {k: torch.randn(1, k, device="cuda", dtype=torch.bfloat16) for k in (4096, 14336)}
     fp8_bytes = LAYERS * sum(n * k for n, k in SHAPES.values())
     layers_fp8 = [[(weights(n, k, 1)[1][0], k) for n, k in SHAPES.values()] for _ in range(LAYERS)]
-    stack = [lambda q=q, k=k: fp8_gemv(x[k], q[0], q[1], torch.bfloat16) for layer in layers_fp8 for q, k in layer]
-    fp8_us = graph_time_us(stack, replays=10) * 4 * LAYERS
-    pdl.set_enabled(False)  # the same kernels launched plainly (srt/executor/pdl.py)
-    fp8_no_pdl_us = graph_time_us(stack, replays=10) * 4 * LAYERS
-    pdl.set_enabled(True)
+    def stack(pdl: bool) -> list:
+        return [lambda q=q, k=k: fp8_gemv(x[k], q[0], q[1], torch.bfloat16, pdl=pdl)
+                for layer in layers_fp8 for q, k in layer]
+
+    fp8_us = graph_time_us(stack(True), replays=10) * 4 * LAYERS
+    fp8_no_pdl_us = graph_time_us(stack(False), replays=10) * 4 * LAYERS  # launched plainly (pdl.py)
     layers_fp8 = None
     torch.cuda.empty_cache()
     layers_bf16 = [[(torch.randn(n, k, device="cuda", dtype=torch.bfloat16), k) for n, k in SHAPES.values()]

@@ -164,8 +164,9 @@ def bench_defaults(rep: Reporter, tokenizer: str, prompts, out_lens) -> None:
     results = {}
     for name, kwargs in runs:
         engine = Engine(str(LLAMA_8B_CONFIG), load_format="dummy", tokenizer_path=tokenizer, **kwargs)
-        settings = {k: getattr(engine.server_args, k) for k in ("max_running_requests", "chunked_prefill_size",
-                                                                 "max_prefill_tokens", "cuda_graph_max_bs")}
+        flat = engine.server_args.to_dict()
+        settings = {k: flat[k] for k in ("max_running_requests", "chunked_prefill_size", "max_prefill_tokens",
+                                         "cuda_graph_max_bs")}
         results[name] = {"settings": settings, **run_offline(engine, prompts, out_lens)}
         free_engine(engine)
     base = results["previous defaults"]

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import tempfile
 from pathlib import Path
@@ -59,12 +58,13 @@ def make_engine(config_path: str, tokenizer: str, tp: int, **kw):
                   chunked_prefill_size=16384, max_prefill_tokens=16384, **kw)
 
 
-def bench_8b(rep: Reporter, tokenizer: str, num_requests: int, offline: bool = True) -> None:
+def bench_8b(rep: Reporter, tokenizer: str, num_requests: int, offline: bool = True,
+             all_reduce: str = "nccl") -> None:
     prompts, out_lens = offline_workload(num=num_requests)
     out_tokens = sum(out_lens)
     results = {}
     for tp in (1, 2):
-        engine, ready = timed(make_engine, str(LLAMA_8B_CONFIG), tokenizer, tp)
+        engine, ready = timed(make_engine, str(LLAMA_8B_CONFIG), tokenizer, tp, tp_all_reduce=all_reduce)
         results[tp] = {"decode_ms": decode_ms(engine), "ready_s": ready,
                        "offline_s": warm_offline_seconds(engine, prompts, out_lens) if offline else None}
         free_engine(engine)
@@ -73,7 +73,7 @@ def bench_8b(rep: Reporter, tokenizer: str, num_requests: int, offline: bool = T
               "ms_per_token": round(two["decode_ms"], 3), "baseline": "tp=1 in this run",
               "baseline_ms_per_token": round(one["decode_ms"], 3),
               "ratio_tp2_over_tp1": round(two["decode_ms"] / one["decode_ms"], 3), "goal": "<= 0.6",
-              "all_reduce": os.environ.get("RADIXLM_TP_ALLREDUCE", "nccl")})
+              "all_reduce": all_reduce})
     if not offline:
         return
     rep.emit({"bench": "gpu_tp_offline", "model": "llama-3.1-8b shape", "tp": 2, "requests": num_requests,
@@ -83,13 +83,13 @@ def bench_8b(rep: Reporter, tokenizer: str, num_requests: int, offline: bool = T
               "engine_ready_s": {"tp1": round(one["ready_s"], 1), "tp2": round(two["ready_s"], 1)}})
 
 
-def bench_70b(rep: Reporter, tokenizer: str, num_requests: int, workdir: Path) -> None:
+def bench_70b(rep: Reporter, tokenizer: str, num_requests: int, workdir: Path, all_reduce: str = "nccl") -> None:
     from radixlm.srt.executor.model_runner import model_bytes
 
     bw = measure_bandwidth()  # one GPU's; the two GPUs read their halves at once
     config_path = workdir / "llama-3.1-70b.json"
     config_path.write_text(json.dumps(LLAMA_70B))
-    engine, ready = timed(make_engine, str(config_path), tokenizer, 2)
+    engine, ready = timed(make_engine, str(config_path), tokenizer, 2, tp_all_reduce=all_reduce)
     weight_bytes = model_bytes(engine.model_config, torch.bfloat16)
     ms = decode_ms(engine)
     best_bw = max(bw["read_tb_s"], bw["copy_tb_s"]) * 1e12
@@ -99,7 +99,7 @@ def bench_70b(rep: Reporter, tokenizer: str, num_requests: int, workdir: Path) -
               "weight_gb": round(weight_bytes / 1e9, 2), "bandwidth_tb_s": {k: round(v, 3) for k, v in bw.items()},
               "roofline_ms": round(roofline_ms, 3), "fraction_of_roofline": round(roofline_ms / ms, 3),
               "goal": ">= 0.88", "engine_ready_s": round(ready, 1), "vllm_recorded": VLLM_70B_TP2_RECORDED,
-              "all_reduce": os.environ.get("RADIXLM_TP_ALLREDUCE", "nccl"),
+              "all_reduce": all_reduce,
               "ratio_vs_vllm_recorded": round(VLLM_70B_TP2_RECORDED["decode_ms_per_token"] / ms, 3)})
     prompts, out_lens = offline_workload(num=num_requests)
     seconds = warm_offline_seconds(engine, prompts, out_lens)
@@ -117,6 +117,7 @@ def main() -> None:
     parser.add_argument("--out", default=None)
     parser.add_argument("--tokenizer-path", default=None)
     parser.add_argument("--num-requests", type=int, default=None, help="offline requests (8b: 1000, 70b: 400)")
+    parser.add_argument("--tp-all-reduce", default="nccl", choices=("nccl", "one_shot"), help="the engines' all-reduce")
     args = parser.parse_args()
     suites = set(args.suites.split(","))
     rep = gpu_reporter(args.out)
@@ -124,10 +125,10 @@ def main() -> None:
     if torch.cuda.device_count() < 2:
         raise SystemExit("bench_gpu_tp needs two GPUs")
     if "8b" in suites or "8b_decode" in suites:
-        bench_8b(rep, tokenizer, args.num_requests or 1000, offline="8b" in suites)
+        bench_8b(rep, tokenizer, args.num_requests or 1000, offline="8b" in suites, all_reduce=args.tp_all_reduce)
     if "70b" in suites:
         with tempfile.TemporaryDirectory() as workdir:
-            bench_70b(rep, tokenizer, args.num_requests or 400, Path(workdir))
+            bench_70b(rep, tokenizer, args.num_requests or 400, Path(workdir), all_reduce=args.tp_all_reduce)
 
 
 if __name__ == "__main__":
