@@ -3,6 +3,9 @@ model; every server a test starts writes under this session's temporary director
 
 from __future__ import annotations
 
+import os
+import tempfile
+
 import pytest
 import torch
 
@@ -21,10 +24,20 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(scope="session", autouse=True)
 def servers_write_under_pytest_tmp(tmp_path_factory):
     """Each server keeps its log and its TMPDIR (so its private ipc directory too) in a folder
-    of its own under pytest's temporary directory, which pytest prunes; nothing is left in /tmp."""
+    of its own under pytest's temporary directory, which pytest prunes; so does everything else
+    the tests start or write through tempfile (a Runtime's log, an Engine's ranks, processes
+    started by hand): nothing is left in /tmp."""
     ServerProcess.temp_root = tmp_path_factory.mktemp("servers")
+    saved = os.environ.get("TMPDIR")
+    os.environ["TMPDIR"] = str(tmp_path_factory.mktemp("tmp"))
+    tempfile.tempdir = None  # gettempdir() reads TMPDIR again
     yield
     ServerProcess.temp_root = None
+    if saved is None:
+        os.environ.pop("TMPDIR", None)
+    else:
+        os.environ["TMPDIR"] = saved
+    tempfile.tempdir = None
 
 
 @pytest.fixture(scope="session")

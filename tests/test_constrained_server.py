@@ -73,6 +73,12 @@ def test_concurrent_requests_share_a_grammar_and_mix_with_plain_ones(server):
     assert all(out["meta_info"]["completion_tokens"] == 16 for out in results[6:])
 
 
+async def _until_running(client) -> None:
+    """Waits until the server decodes a request (instead of sleeping a fixed time)."""
+    while (await client.get("/get_server_info")).json()["num_running_reqs"] < 1:
+        await asyncio.sleep(0.05)
+
+
 def test_abort_mid_grammar_frees_its_memory(server):
     body = {"text": "Numbers:", "rid": "abort-grammar",
             "sampling_params": {"regex": r"(\d{1,3}, ){2000}", "temperature": 1.0, "max_new_tokens": 3000}}
@@ -80,7 +86,7 @@ def test_abort_mid_grammar_frees_its_memory(server):
     async def run():
         async with httpx.AsyncClient(base_url=server.base_url, timeout=300) as c:
             gen = asyncio.create_task(c.post("/generate", json=body))
-            await asyncio.sleep(2.0)
+            await asyncio.wait_for(_until_running(c), 120)  # its grammar compiled, its output under way
             assert (await c.post("/abort_request", json={"rid": "abort-grammar"})).status_code == 200
             return (await gen).json()
 

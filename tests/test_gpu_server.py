@@ -13,7 +13,7 @@ pytestmark = pytest.mark.gpu
 
 @pytest.fixture(scope="module")
 def gpu_server(tmp_path_factory):
-    from server_helpers import ServerProcess
+    from benchmarks.harness import ServerProcess
 
     config = small_llama_config(tmp_path_factory.mktemp("small-llama-server"))
     srv = ServerProcess("--model-path", config, "--load-format", "dummy", "--tokenizer-path", llama3_tokenizer_path(),

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 import radixlm as sgl
-from server_helpers import pid_alive
+from benchmarks.harness import pid_alive
 
 
 def test_runtime_rejects_unknown_server_arguments():

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from server_helpers import pid_alive
+from benchmarks.harness import pid_alive
 
 QUICKSTART = os.path.join(os.path.dirname(__file__), "..", "examples", "quickstart.py")
 RUN_TIMEOUT_S = 900  # a loaded 2-core machine took 4 minutes for a cold run

@@ -111,13 +111,19 @@ def test_info_endpoints(server):
             assert name in metrics
 
 
+async def _until_running(client) -> None:
+    """Waits until the server decodes a request (instead of sleeping a fixed time)."""
+    while (await client.get("/get_server_info")).json()["num_running_reqs"] < 1:
+        await asyncio.sleep(0.05)
+
+
 def test_abort_request_by_rid(server):
     async def run():
         async with httpx.AsyncClient(base_url=server.base_url, timeout=120) as c:
             gen = asyncio.create_task(c.post("/generate", json={
                 "text": "Tell me a long story.", "rid": "to-abort",
                 "sampling_params": {"max_new_tokens": 2000, "ignore_eos": True}}))
-            await asyncio.sleep(2.0)
+            await asyncio.wait_for(_until_running(c), 120)
             assert (await c.post("/abort_request", json={"rid": "to-abort"})).status_code == 200
             return (await gen).json()
 

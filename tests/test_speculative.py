@@ -204,7 +204,7 @@ def test_rejection_sampling_keeps_the_distribution():
 def test_server_reports_verify_forwards_and_accepted_length(server):
     """meta_info.spec_verify_ct (SGLang's name) per request, the mean accepted length in
     /metrics and /get_server_info; greedy text as the plain server's."""
-    from server_helpers import ServerProcess
+    from benchmarks.harness import ServerProcess
 
     body = {"text": COPY, "sampling_params": {"temperature": 0, "max_new_tokens": 32}}
     plain = server.client().post("/generate", json=body).json()

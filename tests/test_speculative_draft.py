@@ -256,7 +256,7 @@ def test_constrained_requests_speculate_with_identical_output(which, engine, req
 def test_server_with_a_draft_model(engine):
     """`radixlm serve --speculative-algorithm draft --speculative-draft-model-path <GGUF>` over
     HTTP: plain greedy text, verify forwards in meta_info and /get_server_info."""
-    from server_helpers import ServerProcess
+    from benchmarks.harness import ServerProcess
 
     srv = ServerProcess("--max-total-tokens", "4096", "--speculative-algorithm", "draft",
                         "--speculative-draft-model-path", default_model_path(), "--speculative-num-steps", "3")

@@ -5,6 +5,7 @@ the same greedy outputs as one rank, with the radix cache, chunked prefill and s
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -15,7 +16,7 @@ import torch
 
 from radixlm.srt.configs import ModelConfig
 from radixlm.srt.executor.models.sharding import ShardPlan, check_tp_size
-from server_helpers import ServerProcess, free_port
+from benchmarks.harness import ServerProcess, free_port, pid_alive, wait_until
 
 PROMPTS = ["The capital of France is", "def fib(n):", "Once upon a time, in a land far away,",
            "List three colors:\n1."]
@@ -215,12 +216,12 @@ def test_tp2_streams_and_samples(server, tp2_server):
 
 
 @pytest.mark.slow
-def test_two_nodes_serve_the_same_outputs_and_node1_leaves_with_node0(server):
+def test_two_nodes_serve_the_same_outputs_and_node1_leaves_with_node0(server, tmp_path):
     addr = f"127.0.0.1:{free_port()}"
     common = ["--tp-size", "2", "--nnodes", "2", "--dist-init-addr", addr, "--max-total-tokens", "16384"]
-    log = open(f"/tmp/radixlm-test-node1-{addr.rsplit(':', 1)[1]}.log", "w")
+    log = open(tmp_path / "node1.log", "w")
     node1 = subprocess.Popen([sys.executable, "-m", "radixlm.srt.launch", *common, "--node-rank", "1"],
-                             stdout=log, stderr=subprocess.STDOUT)
+                             stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "TMPDIR": str(tmp_path)})
     try:
         node0 = ServerProcess(*common, "--node-rank", "0")
         try:
@@ -235,18 +236,21 @@ def test_two_nodes_serve_the_same_outputs_and_node1_leaves_with_node0(server):
 
 
 @pytest.mark.slow
-def test_a_rank_that_dies_fails_the_server_instead_of_hanging_it():
+def test_a_rank_that_dies_fails_the_server_instead_of_hanging_it(tmp_path):
     addr = f"127.0.0.1:{free_port()}"
     common = ["--tp-size", "2", "--nnodes", "2", "--dist-init-addr", addr, "--max-total-tokens", "4096",
               "--dist-timeout", "10"]
     node1 = subprocess.Popen([sys.executable, "-m", "radixlm.srt.launch", *common, "--node-rank", "1"],
-                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                             env={**os.environ, "TMPDIR": str(tmp_path)})
     node0 = ServerProcess(*common, "--node-rank", "0")
     try:
         assert _generate(node0.base_url, PROMPTS[0], max_new_tokens=4)[0]["meta_info"]["completion_tokens"] == 4
+        ranks = [int(pid) for pid in subprocess.run(["pgrep", "-P", str(node1.pid)], capture_output=True,
+                                                     text=True).stdout.split()]
         node1.kill()  # its rank exits within a second (it watches its parent)
         node1.wait(30)
-        time.sleep(2)
+        assert wait_until(lambda: not any(pid_alive(pid) for pid in ranks), 30)
         started = time.monotonic()
         r = httpx.post(f"{node0.base_url}/generate", timeout=120,
                        json={"text": PROMPTS[1], "sampling_params": {"max_new_tokens": 8}})
