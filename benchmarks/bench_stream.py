@@ -255,7 +255,8 @@ def main(argv: list[str] | None = None) -> None:
     results = asyncio.run(_serve_and_measure(args.tokens, args.routes))
     reporter = Reporter(args.out, command=command_line())
     for figures in results:
-        reporter.emit({"bench": "stream_chunk_cost", "tokens": args.tokens, "top_logprobs": TOP_K,
+        logprobs = TOP_K if "without logprobs" not in figures["route"] else 0
+        reporter.emit({"bench": "stream_chunk_cost", "tokens": args.tokens, "top_logprobs": logprobs,
                        "label": args.label, "code": _code_version(),
                        "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d"),
                        "machine": f"CPU, {os.cpu_count()} cores", "baseline": "the same stream's first chunks",
