@@ -189,6 +189,11 @@ def _figures(name: str, records: list[tuple[int, int, int]], sent_ns: list[int],
             "wall_end_us": _median_us(wall[-window:]), "last_chunk_bytes": chunks[-1][2]}
 
 
+def measure(tokens: int, cases: list[str]) -> list[dict[str, Any]]:
+    """Per-chunk figures of one stream of `tokens` tokens for each case (a name in CASES)."""
+    return asyncio.run(_serve_and_measure(tokens, cases))
+
+
 async def _serve_and_measure(tokens: int, routes: list[str]) -> list[dict[str, Any]]:
     import uvicorn
     from radixlm.srt.executor.model_loader import load_model
@@ -252,7 +257,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--label", default="", help="what the measured code is (e.g. 'before', 'after')")
     parser.add_argument("--out", default=None, help="JSONL file to append the results to")
     args = parser.parse_args(argv)
-    results = asyncio.run(_serve_and_measure(args.tokens, args.routes))
+    results = measure(args.tokens, args.routes)
     reporter = Reporter(args.out, command=command_line())
     for figures in results:
         logprobs = TOP_K if "without logprobs" not in figures["route"] else 0
