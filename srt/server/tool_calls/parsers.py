@@ -251,21 +251,20 @@ class StreamingToolParser:
 
     def __init__(self, parser: ToolParser):
         self.parser = parser
-        self.text = ""
-        self.sent = 0  # characters of `text` already passed on as content
+        self.pending = ""  # the text not passed on as content (yet)
         self.holding = False
 
     def feed(self, delta: str) -> str:
         """Returns the content that is certainly not part of a call."""
-        self.text += delta
+        self.pending += delta
         if self.holding:
             return ""
-        start = self.parser.call_start(self.text[self.sent:])
-        end = len(self.text) if start is None else self.sent + start
-        out, self.sent = self.text[self.sent:end], end
-        self.holding = start is not None and self.parser.decided(self.text[self.sent:])
+        start = self.parser.call_start(self.pending)
+        cut = len(self.pending) if start is None else start
+        out, self.pending = self.pending[:cut], self.pending[cut:]
+        self.holding = start is not None and self.parser.decided(self.pending)
         return out
 
     def finish(self) -> Parsed:
         """The rest of the content and the calls, once the output is complete."""
-        return self.parser.parse(self.text[self.sent:])
+        return self.parser.parse(self.pending)
