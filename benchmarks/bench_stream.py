@@ -17,7 +17,8 @@ same at its end as at its start has end / start near 1 (goal: <= 1.5).
 
 /generate's events hold everything so far (SGLang's default, which clients rely on), so its
 events grow with the stream, logprobs most: `--routes "/generate without logprobs"` measures
-the same stream with the text and ids only.
+the same stream with the text and ids only, and `--incremental-streaming-output` with the
+server setting that makes each /generate event hold only what is new.
 
     python -m benchmarks.bench_stream [--tokens 8000] [--out benchmarks/results/cpu_stream.jsonl]
 """
@@ -189,12 +190,13 @@ def _figures(name: str, records: list[tuple[int, int, int]], sent_ns: list[int],
             "wall_end_us": _median_us(wall[-window:]), "last_chunk_bytes": chunks[-1][2]}
 
 
-def measure(tokens: int, cases: list[str]) -> list[dict[str, Any]]:
-    """Per-chunk figures of one stream of `tokens` tokens for each case (a name in CASES)."""
-    return asyncio.run(_serve_and_measure(tokens, cases))
+def measure(tokens: int, cases: list[str], incremental: bool = False) -> list[dict[str, Any]]:
+    """Per-chunk figures of one stream of `tokens` tokens for each case (a name in CASES), on a
+    front end whose /generate streams are incremental (--incremental-streaming-output) or not."""
+    return asyncio.run(_serve_and_measure(tokens, cases, incremental))
 
 
-async def _serve_and_measure(tokens: int, routes: list[str]) -> list[dict[str, Any]]:
+async def _serve_and_measure(tokens: int, routes: list[str], incremental: bool) -> list[dict[str, Any]]:
     import uvicorn
     from radixlm.srt.executor.model_loader import load_model
     from radixlm.srt.server.http_server import ServerState, create_app
@@ -207,7 +209,7 @@ async def _serve_and_measure(tokens: int, routes: list[str]) -> list[dict[str, A
     scheduler_addr, tm_addr = f"ipc://{ipc_dir}/scheduler", f"ipc://{ipc_dir}/tokenizer"
     tm = TokenizerManager(meta.tokenizer, meta.config, meta.config.context_len, scheduler_addr, tm_addr)
     state = ServerState(tm, "bench", {})
-    app = create_app(state, api_key=None)
+    app = create_app(state, api_key=None, incremental_streaming_output=incremental)
     register_openai_routes(app, lambda: tm, "bench")
     probe = ChunkProbe(app)
     port = free_port()
@@ -224,7 +226,10 @@ async def _serve_and_measure(tokens: int, routes: list[str]) -> list[dict[str, A
         for name in routes:
             ours.send(name)
             sent_ns = await asyncio.to_thread(ours.recv)
-            results.append(_figures(name, probe.records.pop(CASES[name].path), sent_ns, tokens))
+            figures = _figures(name, probe.records.pop(CASES[name].path), sent_ns, tokens)
+            if incremental and CASES[name].path == "/generate":
+                figures["route"] += " --incremental-streaming-output"
+            results.append(figures)
             print(json.dumps(results[-1]), file=sys.stderr, flush=True)
         ours.send(None)
         await asyncio.to_thread(driver.join, 60)
@@ -256,8 +261,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--routes", nargs="+", default=DEFAULT_CASES, choices=list(CASES))
     parser.add_argument("--label", default="", help="what the measured code is (e.g. 'before', 'after')")
     parser.add_argument("--out", default=None, help="JSONL file to append the results to")
+    parser.add_argument("--incremental-streaming-output", action="store_true",
+                        help="the server's setting: /generate events hold only what is new")
     args = parser.parse_args(argv)
-    results = measure(args.tokens, args.routes)
+    results = measure(args.tokens, args.routes, args.incremental_streaming_output)
     reporter = Reporter(args.out, command=command_line())
     for figures in results:
         logprobs = TOP_K if "without logprobs" not in figures["route"] else 0

@@ -146,7 +146,8 @@ def _launch(args: ServerArgs, sock: Any) -> int:
                           children.addr("tokenizer"),
                           max_in_flight=args.scheduler.max_running_requests + args.scheduler.max_queued_requests)
     state = ServerState(tm, args.model.model_path or meta.model_path, args.to_dict(), warm=False)
-    app = create_app(state, args.http.api_key, args.http.max_request_bytes, args.http.rate_limit_rpm)
+    app = create_app(state, args.http.api_key, args.http.max_request_bytes, args.http.rate_limit_rpm,
+                     args.api.incremental_streaming_output)
     register_openai_routes(app, lambda: tm, model_name,
                            ChatOptions(args.api.tool_call_parser, args.api.reasoning_parser))
     host, port = sock.getsockname()[:2]

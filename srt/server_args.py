@@ -242,7 +242,7 @@ REASONING_PARSERS = ("qwen3", "deepseek-r1")  # srt/server/tool_calls/reasoning.
 
 @dataclass(frozen=True)
 class APISettings(Section):
-    """What the OpenAI routes answer as, and how chats are rendered and read back."""
+    """How the routes answer: the model's name, chats rendered and read back, stream events."""
 
     served_model_name: str | None = setting(None, "model id in /v1/models; unset: the model path, or 'default' for "
                                                   "the embedded model")
@@ -252,6 +252,9 @@ class APISettings(Section):
                                                  "template", choices=TOOL_CALL_PARSERS)
     reasoning_parser: str | None = setting(None, "qwen3 | deepseek-r1: the think block comes back as "
                                                  "reasoning_content", choices=REASONING_PARSERS)
+    incremental_streaming_output: bool = setting(False, "native /generate streams: each event holds only the "
+                                                        "text, ids and logprobs new since the one before (unset: "
+                                                        "everything so far, SGLang's default)")
 
     def check(self) -> None:
         if self.chat_template is not None and not os.path.isfile(self.chat_template):

@@ -48,6 +48,35 @@ def test_stream_concatenates_to_final_text(server):
     assert all(b["text"].startswith(a["text"]) for a, b in zip(chunks, chunks[1:]))
 
 
+@pytest.fixture(scope="module")
+def incremental_server():
+    from benchmarks.harness import ServerProcess
+
+    srv = ServerProcess("--max-total-tokens", "4096", "--incremental-streaming-output")
+    yield srv
+    srv.stop()
+
+
+def test_incremental_stream_events_add_up_to_the_answer(incremental_server):
+    """--incremental-streaming-output: each event holds what is new (text, ids, logprobs)."""
+    body = {"text": "Write a haiku about the moon.", "sampling_params": {"temperature": 0, "max_new_tokens": 24},
+            "return_logprob": True, "top_logprobs_num": 2}
+    with incremental_server.client() as c:
+        with c.stream("POST", "/generate", json={**body, "stream": True}) as resp:
+            events = [json.loads(line.removeprefix("data: ")) for line in resp.iter_lines()
+                      if line and line != "data: [DONE]"]
+        final = c.post("/generate", json=body).json()
+    assert len(events) > 1 and all(e["output_ids"] for e in events)
+    assert "".join(e["text"] for e in events) == final["text"]
+    assert [t for e in events for t in e["output_ids"]] == final["output_ids"]
+    streamed = [entry for e in events for entry in e["meta_info"]["output_token_logprobs"]]
+    whole = final["meta_info"]["output_token_logprobs"]
+    assert [t for _, t, _ in streamed] == [t for _, t, _ in whole]
+    # The second request's prompt comes from the radix cache: the same numbers to within rounding.
+    assert [lp for lp, _, _ in streamed] == pytest.approx([lp for lp, _, _ in whole], abs=1e-3)
+    assert events[-1]["meta_info"]["completion_tokens"] == 24
+
+
 def test_logprobs(server):
     out = _post(server, "/generate", {"text": "The capital of France is", "sampling_params": GREEDY,
                                       "return_logprob": True, "logprob_start_len": 0, "top_logprobs_num": 2,

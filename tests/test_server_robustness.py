@@ -157,7 +157,7 @@ def test_cli_help_exits_0_and_every_flag_has_a_help_with_its_default():
     top = subprocess.run([sys.executable, "-c", "from radixlm.srt.launch import cli; cli()", "--help"],
                          capture_output=True, text=True)
     assert top.returncode == 0 and "serve" in top.stdout
-    from radixlm.srt.launch import build_parser
+    from radixlm.srt.server_flags import build_parser
 
     parser = build_parser()
     for action in parser._actions:

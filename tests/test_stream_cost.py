@@ -22,3 +22,10 @@ def test_per_chunk_cost_does_not_grow_with_the_stream():
     # with the bytes of each event, not with their re-serialization (the code before: 32x after
     # 2000 tokens).
     assert figures["/generate"]["ratio"] <= 2 * BOUND, figures["/generate"]
+
+
+def test_incremental_native_streams_cost_what_their_first_chunks_do():
+    """--incremental-streaming-output: each /generate event holds only what is new."""
+    (figures,) = measure(TOKENS, ["/generate"], incremental=True)
+    assert figures["route"] == "/generate --incremental-streaming-output"
+    assert figures["ratio"] <= BOUND, figures

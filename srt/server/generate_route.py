@@ -42,7 +42,9 @@ async def json_body(request: Request) -> Any:
         return error_response(400, f"body: malformed JSON: {e}")
 
 
-async def generate(tm: TokenizerManager, request: Request) -> Response:
+async def generate(tm: TokenizerManager, request: Request, incremental: bool = False) -> Response:
+    """incremental: stream events hold what is new since the one before (--incremental-streaming-
+    output), not everything so far."""
     body = await json_body(request)
     if isinstance(body, Response):
         return body
@@ -59,7 +61,7 @@ async def generate(tm: TokenizerManager, request: Request) -> Response:
     except (ValueError, ServerUnavailable) as e:
         return EventStream(_failed(e)) if stream else error_for(e)
     if stream:
-        return EventStream(_stream(runner, len(msgs)), on_close=runner.close)
+        return EventStream(_stream(runner, len(msgs), incremental), on_close=runner.close)
     try:
         results = await unless_disconnected(request, runner.whole_results(raise_internal_aborts=False))
     except (ValueError, ServerUnavailable) as e:
@@ -90,16 +92,19 @@ def generate_requests(body: Any, intake: Intake) -> tuple[list[TokenizedGenerate
     return msgs, batched or len(msgs) > 1
 
 
-async def _stream(runner: RequestRunner, count: int) -> AsyncIterator[bytes]:
-    """SSE: `data: {...}` per chunk (with "index" when several requests), then `data: [DONE]`.
-    A request that fails (bad input found late, a dead child, shutdown) sends `data: {"error":
-    ...}` in its place, so a stream never just stops."""
+async def _stream(runner: RequestRunner, count: int, incremental: bool) -> AsyncIterator[bytes]:
+    """SSE: `data: {...}` per chunk (with "index" when several requests), then `data: [DONE]`;
+    each event holds everything so far, or with `incremental` what is new in it. A request that
+    fails (bad input found late, a dead child, shutdown) sends `data: {"error": ...}` in its
+    place, so a stream never just stops."""
     streams = [CumulativeStream(i if count > 1 else None) for i in range(count)]
     try:
         async for event in runner.events():
             if event.error is not None:
                 error = error_body(status_of(event.error), str(event.error))
                 yield sse({**error, "index": event.index} if count > 1 else error)
+            elif incremental:
+                yield sse(event.chunk if count == 1 else {**event.chunk, "index": event.index})
             else:
                 yield streams[event.index].event(event.chunk)
         yield SSE_DONE

@@ -54,7 +54,7 @@ class ServerState:
 
 
 def create_app(state: ServerState, api_key: str | None, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
-               rate_limit_rpm: int = 0) -> FastAPI:
+               rate_limit_rpm: int = 0, incremental_streaming_output: bool = False) -> FastAPI:
     app = FastAPI(title="radixlm", docs_url=None, redoc_url=None)
     app.state.server = state
     app.add_middleware(Guard, state=state, api_key=api_key, max_request_bytes=max_request_bytes,
@@ -134,7 +134,7 @@ def create_app(state: ServerState, api_key: str | None, max_request_bytes: int =
 
     @app.api_route("/generate", methods=["POST", "PUT"])
     async def generate(request: Request) -> Response:
-        return await generate_route.generate(state.tm, request)
+        return await generate_route.generate(state.tm, request, incremental_streaming_output)
 
     add_tokenize_routes(app, state)
     document_bodies(app)
