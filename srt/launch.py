@@ -59,7 +59,7 @@ def launch_server(args: ServerArgs) -> int:
 def _launch(args: ServerArgs, sock: Any) -> int:
     # Only what starting the children needs is imported before they start: torch and the HTTP
     # stack take seconds to import, and the children need not wait for them.
-    from .detokenizer.process import run_detokenizer_process
+    from .entrypoints.detokenizer import run_detokenizer_process
     from .entrypoints.scheduler import run_scheduler_process
 
     def read_meta():

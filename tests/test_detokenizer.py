@@ -21,7 +21,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from radixlm.srt import io_struct
-from radixlm.srt.detokenizer.process import DetokenizerManager, run_detokenizer_process
+from radixlm.srt.detokenizer.manager import DetokenizerManager
+from radixlm.srt.entrypoints.detokenizer import run_detokenizer_process
 from radixlm.srt.detokenizer.incremental import REPLACEMENT_CHAR, IncrementalDetokenizer
 from radixlm.srt.detokenizer.text_decoder import RustDecoder, load_decoder, rust_decoder
 from radixlm.srt.executor.gguf_loader import convert_gguf_tokenizer
@@ -411,7 +412,7 @@ def test_the_process_decodes_through_transformers_where_tokenizers_would_differ(
 
 
 def test_the_process_starts_without_importing_torch_or_transformers(default_model):
-    code = ("import sys; from radixlm.srt.detokenizer.process import run_detokenizer_process; "
+    code = ("import sys; from radixlm.srt.entrypoints.detokenizer import run_detokenizer_process; "
             "from radixlm.srt.detokenizer.text_decoder import load_decoder; "
             f"d = load_decoder({default_model.local_dir!r}); assert d.decode([28, 80]); "
             "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")

@@ -3,36 +3,22 @@ engine, serving the tokenizer manager's requests until the server stops it."""
 
 from __future__ import annotations
 
-import logging
 import signal
 import sys
-import traceback
 from typing import Any
 
 import zmq
 
-from .. import io_struct
-from ..io_struct import ReadySignal
-from ..process_utils import exit_when_parent_dies
 from ..server_args import DEVICE_DEPENDENT_FIELDS, ServerArgs
-
-logger = logging.getLogger(__name__)
+from .child import ChildStart
 
 
 def run_scheduler_process(server_args: dict[str, Any], recv_addr: str, send_addr: str, ready_addr: str,
                           dist_addr: str | None = None) -> None:
     """Process entry point (started with multiprocessing's spawn). With tp_size > 1 it is
     tensor-parallel rank 0, meeting the other ranks at `dist_addr` (host:port)."""
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s scheduler %(levelname)s %(message)s")
-    # Ctrl-C in a terminal reaches the whole process group; the server stops its children itself
-    # (SIGTERM) once it has failed what was in flight, so a child ignores SIGINT rather than dying
-    # mid-step with a traceback.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    exit_when_parent_dies(ipc_addr=recv_addr)
+    start = ChildStart("scheduler", ready_addr, watch_addr=recv_addr)
     ctx = zmq.Context()
-    ready = ctx.socket(zmq.PUSH)
-    ready.setsockopt(zmq.LINGER, 1000)
-    ready.connect(ready_addr)
     try:
         from ..bootstrap import bootstrap_rank, build_scheduler, step_sender
         from ..scheduler.loop import SchedulerLoop
@@ -49,16 +35,12 @@ def run_scheduler_process(server_args: dict[str, Any], recv_addr: str, send_addr
         send.setsockopt(zmq.LINGER, 0)
         send.connect(send_addr)
     except Exception as e:
-        logger.error("scheduler failed to start:\n%s", traceback.format_exc())
-        ready.send(io_struct.encode(ReadySignal("scheduler", False, error=f"{type(e).__name__}: {e}")))
-        ready.close()
-        sys.exit(1)
+        start.failed(e)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    ready.send(io_struct.encode(ReadySignal("scheduler", True, info={
-        "max_total_tokens": scheduler.allocator.capacity, "context_len": scheduler.context_len,
-        # the settings the scheduler filled in for its device, for the HTTP side's admission and reports
-        "device_defaults": {name: getattr(scheduler.args.scheduler, name) for name in DEVICE_DEPENDENT_FIELDS}})))
-    ready.close()
+    # The settings it filled in for its device, for the HTTP side's admission and reports.
+    device_defaults = {name: getattr(scheduler.args.scheduler, name) for name in DEVICE_DEPENDENT_FIELDS}
+    start.ready({"max_total_tokens": scheduler.allocator.capacity, "context_len": scheduler.context_len,
+                 "device_defaults": device_defaults})
     try:
         SchedulerLoop(scheduler, recv, send, fatal_step_errors=sender is not None).run_forever()
     finally:
