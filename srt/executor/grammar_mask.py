@@ -23,7 +23,7 @@ def apply_grammar_masks(logits: torch.Tensor, reqs: Sequence[Req], backend: Gram
 
 def apply_draft_grammar_masks(logits: torch.Tensor, req: Req, drafts: Sequence[int], backend: GrammarBackend) -> None:
     """Masks a verify step's rows, in place: row i by the request's grammar state after its first
-    i drafts (which the grammar admits: the planner cut them), as plain decoding would have
+    i drafts (which the grammar admits: the decode manager cut them), as plain decoding would have
     masked each of those steps. Rows after a draft that completes the grammar stay unmasked:
     the request ends at that draft."""
     matcher = req.grammar

@@ -28,7 +28,7 @@ NO_DRAFT_MAX_BACKOFF_STEPS = 16
 
 @dataclass
 class DraftPacing:
-    """One request's drafting state. The planner drafts only when `due`, calls `skipped()`
+    """One request's drafting state. The decode manager drafts only when `due`, calls `skipped()`
     for each decode step it sat out and `no_draft()` when drafting found nothing; the scheduler
     calls `verified(accepted)` when it commits a verify step."""
 

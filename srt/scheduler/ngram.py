@@ -52,7 +52,7 @@ def propose_ngram(tokens: Sequence[int] | np.ndarray, num_drafts: int, max_match
 class TokenHistory:
     """A request's tokens (prompt, then output) as an int32 array, extended as the request
     grows, so drafting does not convert the whole list every step. Tokens only ever get
-    appended, except that jump-forward may replace the newest one (constrained/decoding.py):
+    appended, except that jump-forward may replace the newest one (scheduler/constraints.py):
     when the newest token seen last time has changed, the array is rebuilt. A stale array could
     only cost acceptance: drafts are verified."""
 
