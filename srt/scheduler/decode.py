@@ -110,8 +110,11 @@ class DecodeManager:
         request takes its newest token along, and finishing ones free KV first)."""
         if self.num_drafts and any(map(self._drafts_next, self.running)):
             return True
+        free = self.kv.allocator.available_size
+        if len(self.running) * self.page_size <= free:
+            return False  # the usual case, at no cost: with a step in flight each feeds one token
         reqs = self._stepping()
-        return len(reqs) > 1 and self._slots_needed(reqs) > self.kv.allocator.available_size + self.kv.tree.evictable_size
+        return len(reqs) > 1 and self._slots_needed(reqs) > free + self.kv.tree.evictable_size
 
     def riders(self) -> list[ExtendPlan]:
         """Running requests' next tokens, to ride along in a prefill step (mixed chunk), so a
