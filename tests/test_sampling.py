@@ -7,16 +7,15 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
-from radixlm.srt.executor.sampler import apply_penalties, make_generator, sample
+from radixlm.srt.executor.sampler import SeededStreams, apply_penalties, sample
 from radixlm.srt.sampling_params import SamplingParams
 
 PROMPT = "Write a short poem about the sea:\n"
 
 
-@dataclass
+@dataclass(eq=False)  # compared by identity, like the policy's records the streams are keyed by
 class FakeReq:
     sampling_params: SamplingParams
-    generator: torch.Generator | None = None
     origin_input_ids: list[int] = field(default_factory=list)
     output_ids: list[int] = field(default_factory=list)
 
@@ -73,8 +72,9 @@ def test_min_new_tokens_blocks_eos_and_stop_ids():
 def test_top_p_and_min_p_keep_only_the_nucleus():
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
     for params, allowed in (({"top_p": 0.7}, {0, 1}), ({"min_p": 0.4}, {0, 1}), ({"top_k": 3}, {0, 1, 2})):
-        req = FakeReq(_params(temperature=1.0, **params), generator=make_generator(0, "cpu"))
-        seen = {sample(logits.clone(), [req]).item() for _ in range(200)}
+        req = FakeReq(_params(temperature=1.0, seed=0, **params))
+        streams = SeededStreams("cpu")
+        seen = {sample(logits.clone(), [req], streams).item() for _ in range(200)}
         assert seen <= allowed and len(seen) > 1
 
 
