@@ -39,7 +39,7 @@ class TreeNode:
     """
 
     __slots__ = ("children", "parent", "key", "value", "lock_ref", "last_access", "node_id",
-                 "evicted", "namespace")
+                 "evicted", "namespace", "host_value")
 
     def __init__(self, key: list[int], value: list[int], parent: TreeNode | None,
                  last_access: int = 0, lock_ref: int = 0, namespace: Hashable = None) -> None:
@@ -52,6 +52,7 @@ class TreeNode:
         self.node_id = next(_node_ids)  # tie-break in the eviction heap: deterministic order
         self.evicted = False
         self.namespace = namespace  # meaningful on roots only
+        self.host_value: list[int] | None = None  # host-tier slots (tiered.py); value is then None or a copy
 
     def __repr__(self) -> str:
         head = self.key[:4]
@@ -223,10 +224,15 @@ class RadixCache:
         """
         parent = child.parent
         assert parent is not None and 0 < m < len(child.key)  # internal: callers guarantee it
-        upper = TreeNode(child.key[:m], child.value[:m], parent, child.last_access, child.lock_ref)
+        value, host = child.value, child.host_value  # either may be None in a tiered tree
+        upper = TreeNode(child.key[:m], None if value is None else value[:m], parent, child.last_access,
+                         child.lock_ref)
         parent.children[tuple(child.key[:self.page_size])] = upper
         child.key = child.key[m:]
-        child.value = child.value[m:]
+        if value is not None:
+            child.value = value[m:]
+        if host is not None:
+            upper.host_value, child.host_value = host[:m], host[m:]
         child.parent = upper
         upper.children[tuple(child.key[:self.page_size])] = child
         return upper
@@ -287,11 +293,15 @@ class RadixCache:
             if node.lock_ref == 0:
                 self._evictable_size += len(node.key)
                 self._protected_size -= len(node.key)
-                if not node.children:
+                if self._is_leaf(node):
                     self._evictable_leaves.add(node)
             node = node.parent
 
     # ------------------------------------------------------------------ eviction
+    def _is_leaf(self, node: TreeNode) -> bool:
+        """Whether `node` is a leaf for eviction (a tiered tree: no child on the device)."""
+        return not node.children
+
     def evict(self, num_tokens: int) -> int:
         """Frees least-recently-used unlocked leaves until `num_tokens` are freed.
 
