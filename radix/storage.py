@@ -1,0 +1,418 @@
+"""The disk tier of the KV prefix cache: fixed-size KV blocks in files that outlive the process.
+
+A block holds the KV of `block_tokens` tokens and is named by a hash chain over the token ids
+(`block_keys`), seeded by the model's identity and the request's namespace, so a restarted
+server, or another replica pointed at the same directory, finds the blocks it can reuse.
+
+Layout: `directory/<key[:2]>/<key>.kv` (a two-level fan-out keeps directories small). A file is
+
+    header  HEADER: magic, format version, header length, sha256(identity), payload length
+    payload exactly `block_bytes` bytes
+    trailer blake2b-128 of header + payload
+
+Writes go through one background thread: the scheduler only copies the payload and queues it.
+Each write goes to a temporary file in the same folder and is renamed over the final name
+(os.replace is atomic), so a reader never sees a half-written block under a final name. There
+is no fsync: after a crash a block may be short or garbled, which the checksum turns into a
+miss, and a cache can afford to lose it. A bad file is a miss, never an exception.
+
+Pure Python + numpy (no torch), like the rest of radix/.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import logging
+import os
+import queue
+import re
+import struct
+import threading
+import time
+from collections.abc import Hashable, Sequence
+from pathlib import Path
+from typing import Self
+
+import numpy as np
+
+__all__ = ["KVStorage", "StorageError"]
+
+logger = logging.getLogger(__name__)
+
+MAGIC = b"RLKV"
+FORMAT_VERSION = 1
+# magic, version, header length, sha256(identity), payload length
+HEADER = struct.Struct("<4sHH32sQ")
+CHECKSUM_BYTES = 16
+SUFFIX = ".kv"
+TEMP_SUFFIX = ".tmp"
+_KEY = re.compile(r"[0-9a-f]{64}")
+_FANOUT = re.compile(r"[0-9a-f]{2}")
+# Queued payloads are copies held in memory: bound them by bytes, not by count, since a block
+# can be megabytes. At least one block always fits.
+MAX_PENDING_BYTES = 256 << 20
+# A temporary file this old was left by a writer that died (a live one renames within seconds).
+STALE_TEMP_S = 3600.0
+# Eviction goes below the bound by this fraction, so a full tier rescans once per batch of
+# writes rather than once per write.
+EVICT_LOW_WATER = 0.9
+
+
+class StorageError(ValueError):
+    """The storage directory cannot be used (start-up only; the message names the directory)."""
+
+
+def _write_file(path: str, chunks: Sequence[bytes | memoryview]) -> None:
+    """Write `chunks` to a new file at `path` (fails if it exists). One function, so tests can
+    make the disk full here."""
+    with open(path, "xb") as f:
+        f.writelines(chunks)
+
+
+def _checksum(header: bytes, payload: bytes | memoryview) -> bytes:
+    h = hashlib.blake2b(digest_size=CHECKSUM_BYTES)
+    h.update(header)
+    h.update(payload)
+    return h.digest()
+
+
+class KVStorage:
+    """Blocks of `block_bytes` bytes in `directory`, for the model named by `identity`.
+
+    identity: the caller's model identity (weights fingerprint, dtype, KV dtype, page size, TP
+        rank). It seeds the key chain and is recorded in every header, so a file of another
+        model is a miss.
+    max_bytes: bound on the files' total size; after a write that exceeds it the least recently
+        used files (by mtime, which a hit refreshes) are deleted. None: unbounded.
+
+    stats["files"] / stats["size_bytes"] come from a scan at start-up, updated by this
+    instance's own writes and deletions; files that other processes add or remove are seen at
+    the next eviction, which rescans.
+    """
+
+    def __init__(self, directory: str | os.PathLike, identity: str, block_tokens: int,
+                 block_bytes: int, max_bytes: int | None = None) -> None:
+        if block_tokens < 1:
+            raise ValueError(f"block_tokens must be >= 1, got {block_tokens}")
+        if block_bytes < 1:
+            raise ValueError(f"block_bytes must be >= 1, got {block_bytes}")
+        if max_bytes is not None and max_bytes < 1:
+            raise ValueError(f"max_bytes must be >= 1 or None, got {max_bytes}")
+        self.directory = Path(directory)
+        self.identity = identity
+        self.block_tokens = block_tokens
+        self.block_bytes = block_bytes
+        self.max_bytes = max_bytes
+        self.file_bytes = HEADER.size + block_bytes + CHECKSUM_BYTES
+        self._identity_hash = hashlib.sha256(identity.encode()).digest()
+        self._check_directory()
+
+        self._lock = threading.Lock()  # counters, pending set, size
+        self._idle = threading.Condition(self._lock)  # notified when nothing is pending
+        self._hits = self._misses = self._corrupt = 0
+        self._bytes_read = self._bytes_written = 0
+        self._writes_dropped = self._write_errors = 0
+        self._warned_error = False
+        self.writes_enabled = True
+        self._pending: set[str] = set()  # queued or being written
+        self._closed = False
+        self._files, self._size = self._scan()[:2]
+        if max_bytes is not None and self._size > max_bytes:
+            self._evict()
+
+        self._queue: queue.Queue[tuple[str, bytes] | None] = queue.Queue(
+            maxsize=max(1, MAX_PENDING_BYTES // block_bytes))
+        self._writer = threading.Thread(target=self._write_loop, name="kv-storage-writer", daemon=True)
+        self._writer.start()
+
+    # ---- start-up ----
+
+    def _check_directory(self) -> None:
+        where = f"--hicache-storage-dir {self.directory}"
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise StorageError(f"{where}: cannot create the directory: {e}") from None
+        if not self.directory.is_dir():
+            raise StorageError(f"{where}: not a directory")
+        # Permissions alone do not tell (root, read-only mounts, ACLs): write and remove a file.
+        probe = self.directory / f".probe.{os.getpid()}.{os.urandom(4).hex()}{TEMP_SUFFIX}"
+        try:
+            _write_file(str(probe), [b"probe"])
+            probe.unlink()
+        except OSError as e:
+            raise StorageError(f"{where}: not writable: {e}") from None
+
+    def _scan(self) -> tuple[int, int, list[tuple[float, int, Path]]]:
+        """(file count, total size, [(mtime, size, path)]) of our block files; removes stale
+        temporary files on the way."""
+        files, size, entries = 0, 0, []
+        now = time.time()
+        try:
+            subdirs = [d for d in os.scandir(self.directory) if _FANOUT.fullmatch(d.name) and d.is_dir()]
+        except OSError:
+            return 0, 0, []
+        for sub in subdirs:
+            try:
+                children = list(os.scandir(sub.path))
+            except OSError:
+                continue
+            for entry in children:
+                try:
+                    st = entry.stat()
+                except OSError:
+                    continue  # deleted meanwhile
+                name = entry.name
+                if name.endswith(SUFFIX) and _KEY.fullmatch(name[:-len(SUFFIX)]):
+                    files += 1
+                    size += st.st_size
+                    entries.append((st.st_mtime, st.st_size, Path(entry.path)))
+                elif name.startswith(".") and name.endswith(TEMP_SUFFIX) and now - st.st_mtime > STALE_TEMP_S:
+                    _unlink(entry.path)
+        return files, size, entries
+
+    # ---- keys and paths ----
+
+    def block_keys(self, tokens: Sequence[int], namespace: Hashable = None) -> list[str]:
+        """One hex key per full block of `tokens` (a partial last block has none):
+        key_i = sha256(key_{i-1} || int64-LE tokens of block i), key_{-1} = sha256(identity
+        || 0 || repr(namespace)). The chain makes a key name its whole prefix, so a prefix of
+        the tokens gives a prefix of the keys. namespace should have a stable repr (str, int,
+        tuple of those): it is what keeps cache salts / adapters apart across processes."""
+        ids = np.asarray(tokens, dtype="<i8").reshape(-1)
+        prev = hashlib.sha256(self.identity.encode() + b"\0" + repr(namespace).encode()).digest()
+        keys = []
+        bt = self.block_tokens
+        for start in range(0, len(ids) - bt + 1, bt):
+            h = hashlib.sha256(prev)
+            h.update(ids[start:start + bt].tobytes())
+            prev = h.digest()
+            keys.append(h.hexdigest())
+        return keys
+
+    def _path(self, key: str) -> Path:
+        # Keys become file names: anything else could point outside the directory.
+        if not isinstance(key, str) or not _KEY.fullmatch(key):
+            raise ValueError(f"not a block key (64 lowercase hex digits): {key!r}")
+        return self.directory / key[:2] / (key + SUFFIX)
+
+    # ---- reads ----
+
+    def contains(self, key: str) -> bool:
+        """Whether a file exists under `key` (not read, so get may still miss)."""
+        return self._path(key).is_file()
+
+    def get(self, key: str) -> bytes | None:
+        """The block's payload, verified; None when it is missing or bad. A bad file of our
+        model (short, wrong size, checksum mismatch) is deleted and counted in stats["corrupt"];
+        a file of another identity or format version is left alone (a replica may use it)."""
+        path = self._path(key)
+        payload, bad, st = self._read(path)
+        if payload is None:
+            deleted = bad and _unlink_if_same(path, st)
+            with self._lock:
+                self._misses += 1
+                self._corrupt += bad
+                if deleted:
+                    self._files -= 1
+                    self._size = max(0, self._size - st.st_size)
+            return None
+        try:
+            os.utime(path)  # a hit is a use: the size bound evicts by mtime
+        except OSError:
+            pass
+        with self._lock:
+            self._hits += 1
+            self._bytes_read += len(payload)
+        return payload
+
+    def _read(self, path: Path) -> tuple[bytes | None, bool, os.stat_result | None]:
+        """(payload or None, whether the file is bad, its stat)."""
+        try:
+            with open(path, "rb") as f:
+                st = os.fstat(f.fileno())
+                header = f.read(HEADER.size)
+                if len(header) < HEADER.size:
+                    return None, True, st
+                magic, version, header_len, identity_hash, length = HEADER.unpack(header)
+                if magic != MAGIC:
+                    return None, True, st
+                if version != FORMAT_VERSION or identity_hash != self._identity_hash:
+                    return None, False, st  # another format or model: maybe valid for its writer
+                if header_len != HEADER.size:
+                    return None, True, st
+                if length != self.block_bytes:
+                    return None, True, st
+                payload = f.read(length)
+                trailer = f.read(CHECKSUM_BYTES + 1)  # one byte more: a longer file is bad
+        except OSError:
+            return None, False, None  # missing (or unreadable): a plain miss
+        if len(payload) != length or trailer != _checksum(header, payload):
+            return None, True, st
+        return payload, False, st
+
+    # ---- writes ----
+
+    def put(self, key: str, payload: bytes | memoryview) -> None:
+        """Queue `payload` (copied now) to be written under `key`; returns at once. Nothing
+        happens if the key exists or is queued, or writes are off; a full queue drops it."""
+        path = self._path(key)
+        size = memoryview(payload).nbytes
+        if size != self.block_bytes:
+            raise ValueError(f"payload is {size} bytes, a block is {self.block_bytes}")
+        with self._lock:
+            if self._closed or not self.writes_enabled or key in self._pending:
+                return
+        if path.exists():
+            return
+        data = bytes(payload)  # the caller may reuse its buffer once we return
+        with self._lock:
+            if key in self._pending:
+                return
+            try:
+                self._queue.put_nowait((key, data))
+            except queue.Full:
+                self._writes_dropped += 1
+                return
+            self._pending.add(key)
+
+    def flush(self, timeout: float | None = None) -> None:
+        """Wait until every queued write is done (or `timeout` seconds have passed)."""
+        with self._idle:
+            self._idle.wait_for(lambda: not self._pending, timeout)
+
+    def _write_loop(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            key, data = item
+            try:
+                if self.writes_enabled:
+                    self._write(key, data)
+                else:
+                    with self._lock:
+                        self._writes_dropped += 1
+            except Exception:  # never let the writer die: later puts would hang flush
+                logger.exception("KV storage %s: writing block %s failed", self.directory, key)
+                with self._lock:
+                    self._write_errors += 1
+            finally:
+                with self._lock:
+                    self._pending.discard(key)
+                    if not self._pending:
+                        self._idle.notify_all()
+
+    def _write(self, key: str, data: bytes) -> None:
+        path = self._path(key)
+        if path.exists():  # another replica wrote it meanwhile
+            return
+        header = HEADER.pack(MAGIC, FORMAT_VERSION, HEADER.size, self._identity_hash, len(data))
+        tmp = path.with_name(f".{key}.{os.getpid()}.{os.urandom(4).hex()}{TEMP_SUFFIX}")
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)  # parents: the directory may be wiped
+            _write_file(str(tmp), [header, data, _checksum(header, data)])
+            os.replace(tmp, path)
+        except OSError as e:
+            _unlink(tmp)
+            self._write_failed(e)
+            return
+        with self._lock:
+            self._files += 1
+            self._size += self.file_bytes
+            self._bytes_written += self.file_bytes
+            over = self.max_bytes is not None and self._size > self.max_bytes
+        if over:
+            self._evict()
+
+    def _write_failed(self, e: OSError) -> None:
+        with self._lock:
+            self._write_errors += 1
+            if e.errno in (errno.ENOSPC, errno.EDQUOT):
+                # A full disk stays full: stop trying rather than fail every block.
+                if self.writes_enabled:
+                    self.writes_enabled = False
+                    logger.warning("KV storage %s: disk full (%s); writes to the disk tier are off, "
+                                   "reads go on", self.directory, e)
+                return
+            first = not self._warned_error
+            self._warned_error = True
+        if first:
+            logger.warning("KV storage %s: a block write failed (%s); further failures are only "
+                           "counted", self.directory, e)
+
+    def _evict(self) -> None:
+        """Delete the least recently used files until the total is under the low-water mark.
+        Rescans, so other processes' files count too."""
+        files, size, entries = self._scan()
+        target = self.max_bytes * EVICT_LOW_WATER if size > self.max_bytes else size
+        entries.sort(key=lambda e: e[0])
+        for _, file_size, path in entries:
+            if size <= target:
+                break
+            if _unlink(path):
+                files -= 1
+                size -= file_size
+        with self._lock:
+            self._files, self._size = files, size
+
+    # ---- maintenance ----
+
+    def clear(self) -> int:
+        """Delete every block file in the directory (queued writes land first, so none comes
+        back after); returns how many were deleted. Other files are left alone."""
+        self.flush()
+        removed = 0
+        for _, _, path in self._scan()[2]:
+            removed += _unlink(path)
+        files, size = self._scan()[:2]
+        with self._lock:
+            self._files, self._size = files, size
+        return removed
+
+    def close(self) -> None:
+        """Finish queued writes and stop the writer thread. Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True  # put is a no-op from now on
+        self.flush()
+        self._queue.put(None)
+        self._writer.join()
+
+    @property
+    def stats(self) -> dict[str, int | bool]:
+        with self._lock:
+            return {
+                "hits": self._hits, "misses": self._misses, "corrupt": self._corrupt,
+                "bytes_read": self._bytes_read, "bytes_written": self._bytes_written,
+                "writes_dropped": self._writes_dropped, "write_errors": self._write_errors,
+                "writes_enabled": self.writes_enabled, "files": self._files, "size_bytes": self._size,
+            }
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _unlink(path: str | os.PathLike) -> bool:
+    try:
+        os.unlink(path)
+        return True
+    except OSError:
+        return False
+
+
+def _unlink_if_same(path: Path, st: os.stat_result) -> bool:
+    """Delete `path` if it is still the file `st` describes: a replica may have just renamed a
+    good block over the bad one we read."""
+    try:
+        now = os.stat(path)
+        if (now.st_dev, now.st_ino) != (st.st_dev, st.st_ino):
+            return False
+    except OSError:
+        return False
+    return _unlink(path)
