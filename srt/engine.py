@@ -87,16 +87,19 @@ class Engine:
         lps = req.logprobs
         logprobs = LogprobRecord(lps.input_token, lps.input_top, lps.output_token, lps.output_top)
         progress = Progress(prompt_tokens=len(msg.input_ids), completion_tokens=len(req.output_ids),
-                            cached_tokens=req.cached_tokens, finish_reason=finish, e2e_latency=latency,
+                            cached_tokens=req.cached_tokens, cached_tiers=req.cached_tiers, finish_reason=finish, e2e_latency=latency,
                             spec_verify_ct=req.spec_verify_ct)
         text = final_text(self.tokenizer, req.output_ids, req.sampling_params, finish)
         return result(msg, text, list(req.output_ids), progress, logprobs,
                       TokenTexts(self.tokenizer) if with_text else None)
 
-    def flush_cache(self) -> bool:
-        return self.scheduler.flush_cache()
+    def flush_cache(self, include_storage: bool = False) -> bool:
+        """Empties the radix cache and the host tier (and the disk tier with include_storage)."""
+        return self.scheduler.flush_cache(include_storage)
 
     def shutdown(self) -> None:
+        if self.scheduler is not None:
+            self.scheduler.close()
         if self._ranks is not None:
             from .bootstrap import step_sender
             from .executor import parallel

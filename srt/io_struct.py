@@ -41,7 +41,8 @@ class AbortReq:
 
 @dataclass(frozen=True)
 class ControlReq:
-    """A request for the scheduler's state: kind is "flush_cache" or "server_info"."""
+    """A request for the scheduler's state: kind is "flush_cache", "flush_cache_storage"
+    (the disk tier too) or "server_info"."""
 
     kind: str
     request_id: str
@@ -64,6 +65,7 @@ class ReqOutput:
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int
+    cached_tiers: list[int] | None = None  # of cached_tokens: from device, host, disk (tiers on)
     # Detokenization settings, repeated so the detokenizer keeps no per-request setup.
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True

@@ -11,7 +11,7 @@ such chunks into the whole result. The Engine builds the whole result at once.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Sequence
 
 from .detokenizer.incremental import IncrementalDetokenizer
 from .io_struct import TokenizedGenerateReq
@@ -42,6 +42,7 @@ class Progress:
     finish_reason: dict[str, Any] | None  # None: still running
     e2e_latency: float
     spec_verify_ct: int = 0  # speculative verify forwards (SGLang reports it when speculating)
+    cached_tiers: Sequence[int] | None = None  # cached_tokens from device, host, disk (tiers on)
 
 
 class TokenTexts:
@@ -81,6 +82,8 @@ def result(msg: TokenizedGenerateReq, text: str, output_ids: list[int], progress
         "finish_reason": progress.finish_reason,
         "e2e_latency": progress.e2e_latency,
     }
+    if progress.cached_tiers is not None:
+        meta["cached_tokens_details"] = dict(zip(("device", "host", "storage"), progress.cached_tiers))
     if progress.spec_verify_ct:
         meta["spec_verify_ct"] = progress.spec_verify_ct
     if msg.return_logprob:  # last in meta_info: ResultBuilder and the native stream rely on it

@@ -85,6 +85,34 @@ class CacheSettings(Section):
                                                "graphs)", above=0.0, below=1.0)
     page_size: int = setting(1, "tokens per KV page", min=1)
     disable_radix_cache: bool = setting(False, "do not reuse cached prefixes")
+    # The hierarchical cache (docs/hicache.md): evicted prefixes move to host memory, and to disk.
+    enable_hierarchical_cache: bool = setting(False, "keep prefixes evicted from the KV pool in host memory "
+                                                     "(and on disk with --hicache-storage-backend file)")
+    hicache_ratio: float = setting(2.0, "host tier size as a multiple of the KV pool", above=1.0)
+    hicache_size: float = setting(0.0, "host tier size in GB; 0: set by --hicache-ratio", min=0.0)
+    hicache_write_policy: str = setting("write_back", "write_back (copy to host on eviction) | write_through "
+                                                      "(copy on insert)",
+                                        choices=("write_back", "write_through"),
+                                        refusal="is not implemented (write_back or write_through are)")
+    hicache_storage_backend: str | None = setting(None, "file: a disk tier under --hicache-storage-dir that "
+                                                        "outlives the process; unset: none", choices=("file",),
+                                                  refusal="is not implemented (file is)")
+    hicache_storage_dir: str | None = setting(None, "directory of the disk tier (shared by replicas of one model)")
+    hicache_storage_max_gb: float = setting(0.0, "disk tier size bound in GB (oldest blocks go first); 0: unbounded",
+                                            min=0.0)
+    hicache_storage_prefetch_policy: str = setting("wait_complete", "wait_complete: admission reads a request's "
+                                                                    "disk blocks before its prefill",
+                                                   choices=("wait_complete",),
+                                                   refusal="is not implemented (wait_complete is; disk blocks are "
+                                                           "read at admission, not prefetched)")
+
+    def check(self) -> None:
+        if self.hicache_storage_backend and not self.hicache_storage_dir:
+            raise ValueError("hicache_storage_dir: required with --hicache-storage-backend file")
+        if self.hicache_storage_backend and not self.enable_hierarchical_cache:
+            raise ValueError("hicache_storage_backend: needs --enable-hierarchical-cache")
+        if self.enable_hierarchical_cache and self.disable_radix_cache:
+            raise ValueError("enable_hierarchical_cache: cannot be combined with --disable-radix-cache")
 
 
 # Settings whose default depends on the device (ServerArgs.with_device_defaults). On CUDA the

@@ -65,6 +65,7 @@ class Req:
     alloc_len: int = 0  # table positions with slots allocated (>= kv_len while a forward runs)
     last_node: Any = None
     cached_tokens: int = 0  # prompt tokens served from the cache, for meta_info
+    cached_tiers: tuple[int, int, int] | None = None  # of those: from device, host, disk (tiers on)
     # Speculative decoding: verify forwards run for this request, and draft tokens accepted.
     spec_verify_ct: int = 0
     spec_accepted: int = 0

@@ -44,6 +44,7 @@ def run_scheduler_process(server_args: dict[str, Any], recv_addr: str, send_addr
     try:
         SchedulerLoop(scheduler, recv, send, fatal_step_errors=sender is not None).run_forever()
     finally:
+        scheduler.close()  # the disk tier's queued writes land
         if sender is not None:
             try:
                 sender.stop()

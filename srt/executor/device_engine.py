@@ -20,6 +20,7 @@ from ..core.step import PendingStep, StepPlan, StepResult
 from ..server_args import ServerArgs
 from .batch_builder import (build_decode_batch, build_extend_batch, build_verify_batch,
                             keeps_every_row)
+from .host_kv import HostKVPool, host_tier_tokens, model_identity
 from .grammar_mask import apply_draft_grammar_masks, apply_grammar_masks
 from .logprobs import input_logprobs, output_logprobs
 from .model_runner import ModelRunner, kv_slots_for
@@ -49,11 +50,22 @@ def kv_capacity(config, args: ServerArgs, tp: TensorParallel = TensorParallel())
 class DeviceEngine:
     def __init__(self, loaded, args: ServerArgs, req_to_token: np.ndarray, num_kv_slots: int, *,
                  eos_ids: Sequence[int], grammar_backend: Callable[[], GrammarBackend],
-                 tp: TensorParallel = TensorParallel()):
+                 tp: TensorParallel = TensorParallel(), host_kv_tokens: int | None = None,
+                 host_kv_bytes: int | None = None):
         """req_to_token: the scheduler's host table, read in place (a tensor view of it).
-        tp: this rank's tensor-parallel group (the model's shard in `loaded` is its own)."""
+        tp: this rank's tensor-parallel group (the model's shard in `loaded` is its own).
+        host_kv_tokens / host_kv_bytes: the hierarchical cache's host tier (host_kv.py)."""
         self.device = torch.device(args.model.resolved_device())
         self.runner = ModelRunner(loaded, args, torch.from_numpy(req_to_token), num_kv_slots, tp)
+        self.host_kv: HostKVPool | None = None
+        if host_kv_tokens is not None or host_kv_bytes is not None:
+            pool = self.runner.kv_pool
+            bpt = HostKVPool.token_bytes(pool)
+            tokens = host_tier_tokens(bpt, host_kv_tokens, host_kv_bytes)
+            self.host_kv = HostKVPool(pool, tokens, self.device)
+            self.host_kv_tokens = tokens
+            self.kv_bytes_per_token = bpt
+            self.kv_identity = model_identity(loaded, args, tp.rank, pool.dtype)
         self.draft = None  # draft-model speculation: its own KV pool, the same slots
         if args.speculative.speculative_algorithm == "draft":
             from .draft_model import DraftModel
@@ -66,6 +78,23 @@ class DeviceEngine:
         self.last_tokens = torch.zeros(args.scheduler.max_running_requests, dtype=torch.int64, device=self.device)
         self._transfer = TokenTransfer(self.device)
         self._streams = SeededStreams(self.device)  # per-request device state: seeded random streams
+
+    # ---- the hierarchical cache's copies (scheduler/kv_tiers.py asks for them) ----------------
+
+    @torch.inference_mode()
+    def move_kv(self, moves) -> None:
+        self.host_kv.run(moves)
+
+    @torch.inference_mode()
+    def read_kv_tokens(self, slots: list[int]) -> bytes:
+        return self.host_kv.read_tokens(slots)
+
+    @torch.inference_mode()
+    def write_kv_tokens(self, slots: list[int], payload) -> None:
+        self.host_kv.write_tokens(slots, payload)
+
+    def host_kv_stats(self) -> dict:
+        return {**self.host_kv.timings(), "allocated_bytes": self.host_kv.allocated_bytes}
 
     @torch.inference_mode()
     def launch(self, plan: StepPlan) -> PendingStep:

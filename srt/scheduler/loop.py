@@ -104,8 +104,8 @@ class SchedulerLoop:
         self.scheduler.add_request(req)
 
     def _control(self, msg: ControlReq) -> ControlReply:
-        if msg.kind == "flush_cache":
-            ok = self.scheduler.flush_cache()
+        if msg.kind in ("flush_cache", "flush_cache_storage"):
+            ok = self.scheduler.flush_cache(include_storage=msg.kind == "flush_cache_storage")
             return ControlReply(msg.request_id, ok, {} if ok else {"message": "requests are running"})
         if msg.kind == "server_info":
             return ControlReply(msg.request_id, True, self.scheduler.server_info())
@@ -132,7 +132,8 @@ class SchedulerLoop:
             rid=req.rid, new_token_ids=new_ids,
             finish_reason=req.finish_reason.to_dict() if req.finish_reason else None,
             prompt_tokens=len(req.origin_input_ids), completion_tokens=len(req.output_ids),
-            cached_tokens=req.cached_tokens, spec_verify_ct=req.spec_verify_ct, spec_accepted=req.spec_accepted,
+            cached_tokens=req.cached_tokens,
+            cached_tiers=list(req.cached_tiers) if req.cached_tiers is not None else None, spec_verify_ct=req.spec_verify_ct, spec_accepted=req.spec_accepted,
             skip_special_tokens=sp.skip_special_tokens,
             spaces_between_special_tokens=sp.spaces_between_special_tokens, stop=list(sp.stop),
             stop_regex=list(sp.stop_regex), no_stop_trim=sp.no_stop_trim,

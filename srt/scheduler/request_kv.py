@@ -10,15 +10,18 @@ import numpy as np
 
 from ...radix import RadixCache
 from .kv_memory import PageAllocator, ReqToTokenTable
+from .kv_tiers import CacheTiers
 from ..core.request import Req
 
 
 class RequestKV:
-    def __init__(self, allocator: PageAllocator, req_table: ReqToTokenTable, tree: RadixCache, page_size: int):
+    def __init__(self, allocator: PageAllocator, req_table: ReqToTokenTable, tree: RadixCache, page_size: int,
+                 tiers: CacheTiers | None = None):
         self.allocator = allocator
         self.req_table = req_table
         self.tree = tree
         self.page_size = page_size
+        self.tiers = tiers  # the host and disk tiers (kv_tiers.py), with --enable-hierarchical-cache
 
     def admit(self, req: Req) -> bool:
         """Takes a table row and locks the longest cached prefix."""
@@ -29,12 +32,21 @@ class RequestKV:
         key_len = req.seq_len - 1  # at least one token is computed, to get its logits
         if req.wants_input_logprobs and not req.output_ids:
             key_len = min(key_len, max(0, req.logprob.logprob_start_len - 1))
-        match = self.tree.match_prefix(req.fill_ids[:key_len], namespace=req.namespace)
-        self.tree.lock(match.node)
+        key = req.fill_ids[:key_len]
+        if self.tiers is None:
+            match = self.tree.match_prefix(key, namespace=req.namespace)
+            self.tree.lock(match.node)
+            host = storage = 0
+        else:  # the prefix's host and disk parts are loaded back now, before its prefill
+            match = self.tree.match(key, namespace=req.namespace)
+            self.tree.lock(match.node)
+            match, host, storage = self.tiers.extend(key, req.namespace, match, req.seq_len)
         req.last_node = match.node
         req.kv_len = req.cached_len = match.matched_len
         if not req.output_ids:
             req.cached_tokens = match.matched_len
+            if self.tiers is not None:
+                req.cached_tiers = (match.matched_len - host - storage, host, storage)
         if match.matched_len:
             self.req_table.write(row, 0, match.slot_indices)
         return True
@@ -116,6 +128,8 @@ class RequestKV:
         slots = self.req_table.table[row, :max(req.kv_len, req.alloc_len)].tolist()
         adopted = req.cached_len
         if not retracting and req.finish_reason is not None and req.finish_reason.type != "abort":
+            if self.tiers is not None:
+                self.tiers.save(req.fill_ids[:req.kv_len], req.namespace, slots[:req.kv_len])
             already = self.tree.insert(req.fill_ids[:req.kv_len], slots[:req.kv_len], namespace=req.namespace)
             self.allocator.free(slots[req.cached_len:already])
             adopted = max(already, self._aligned(req.kv_len) if not self.tree.disable else 0)

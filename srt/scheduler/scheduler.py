@@ -25,6 +25,7 @@ import logging
 from typing import Any, Callable
 
 from ...radix import RadixCache
+from ...radix.tiered import TieredRadixCache
 from ..core.request import FinishReason, Req
 from ..core.step import PendingStep, StepEngine, StepPlan
 from ..server_args import ServerArgs
@@ -32,6 +33,7 @@ from .constraints import ConstrainedDecoding
 from .decode import DecodeManager
 from .finish import check_finished
 from .kv_memory import PageAllocator, ReqToTokenTable
+from .kv_tiers import CacheTiers, host_tier_request, make_storage, refuse_unsupported_with_tiers, storage_block_tokens
 from .lockstep import needs_host_tokens
 from .prefill import PrefillManager
 from .request_kv import RequestKV
@@ -55,15 +57,27 @@ class Scheduler:
         self.eos_ids = _eos_ids(self.config, self.tokenizer)
         self.allocator = PageAllocator(engine_factory.kv_capacity(self.config, args), args.cache.page_size)
         self.req_table = ReqToTokenTable(args.scheduler.max_running_requests, self.context_len + 1)
-        self.tree = RadixCache(self.allocator.capacity, self.allocator.free, page_size=args.cache.page_size,
-                               disable=args.cache.disable_radix_cache)
-        self.kv = RequestKV(self.allocator, self.req_table, self.tree, args.cache.page_size)
         self.constraints = ConstrainedDecoding(self.tokenizer, self.config.vocab_size, self.eos_ids,
                                                args.scheduler.grammar_compile_timeout,
                                                not args.scheduler.disable_jump_forward)
         num_slots = self.allocator.num_pages * args.cache.page_size
+        tiered = args.cache.enable_hierarchical_cache
+        if tiered:
+            refuse_unsupported_with_tiers(args)
+        extra = host_tier_request(args, self.allocator.capacity) if tiered else {}
         self.engine = engine_factory(loaded, args, self.req_table.table, num_slots, eos_ids=self.eos_ids,
-                                     grammar_backend=lambda: self.constraints.cache.backend)
+                                     grammar_backend=lambda: self.constraints.cache.backend, **extra)
+        self.tiers: CacheTiers | None = None
+        if tiered:
+            self.tree = TieredRadixCache(self.allocator.capacity, self.allocator.free, self.engine.host_kv_tokens,
+                                         page_size=args.cache.page_size, write_policy=args.cache.hicache_write_policy)
+            block = storage_block_tokens(args.cache.page_size)
+            storage = make_storage(args, self.engine.kv_identity, block, self.engine.kv_bytes_per_token)
+            self.tiers = CacheTiers(self.tree, self.allocator, self.engine, storage, block)
+        else:
+            self.tree = RadixCache(self.allocator.capacity, self.allocator.free, page_size=args.cache.page_size,
+                                   disable=args.cache.disable_radix_cache)
+        self.kv = RequestKV(self.allocator, self.req_table, self.tree, args.cache.page_size, self.tiers)
         self.prefill = PrefillManager(self.kv, self.tree, args.scheduler)
         self.decode = DecodeManager(self.kv, args.speculative, self.context_len, requeue=self.prefill.requeue)
         self.pending: PendingStep | None = None  # launched, not committed yet
@@ -112,14 +126,22 @@ class Scheduler:
             self.kv.release(req)
         return reqs
 
-    def flush_cache(self) -> bool:
-        """Drops the whole radix cache; refused (False) while requests hold parts of it."""
+    def flush_cache(self, include_storage: bool = False) -> bool:
+        """Drops the whole radix cache, host tier included (the disk tier only with
+        `include_storage`); refused (False) while requests hold parts of it."""
         if self.has_work:
             return False
         if self.pending is not None:
             self.step()  # a step of finished requests: its tokens are dropped
         self.tree.reset()
+        if self.tiers is not None:
+            self.tiers.flush(include_storage)
         return True
+
+    def close(self) -> None:
+        """Finishes the disk tier's queued writes (a clean shutdown keeps what was saved)."""
+        if self.tiers is not None and self.tiers.storage is not None:
+            self.tiers.storage.close()
 
     @property
     def has_work(self) -> bool:
@@ -173,6 +195,8 @@ class Scheduler:
 
     def _launch(self, plan: StepPlan) -> PendingStep:
         self.in_flight = plan.reqs
+        if self.tiers is not None:  # demotions queued while planning read slots this step reuses
+            self.tiers.flush_moves()
         launched = self.engine.launch(plan)
         self.steps_launched += 1
         if self.pending is not None:
@@ -268,6 +292,7 @@ class Scheduler:
             "num_waiting_reqs": len(self.prefill.waiting),
             "kv": self.kv_stats(),
             "cache": self.tree.stats,
+            "cache_tiers": self.tier_info(),
             "context_len": self.context_len,
             "max_total_tokens": self.allocator.capacity,
             "page_size": self.args.cache.page_size,
@@ -275,6 +300,15 @@ class Scheduler:
             "overlap": {"enabled": self.overlap, "steps": self.steps_launched,
                         "overlapped_steps": self.steps_overlapped},
         }
+
+    def tier_info(self) -> dict[str, Any]:
+        """Each tier's size and traffic (the device pool's as in `kv`)."""
+        kv = self.kv_stats()
+        info: dict[str, Any] = {"device": {"capacity_tokens": kv["capacity"], "used_tokens": kv["capacity"] - kv["free"],
+                                           "cached_tokens": kv["evictable"] + kv["protected"]}}
+        if self.tiers is not None:
+            info.update(self.tiers.info())
+        return info
 
     def spec_stats(self) -> dict[str, Any]:
         """Verify steps and the tokens each produced on average (accepted drafts + 1)."""

@@ -95,8 +95,10 @@ def create_app(state: ServerState, api_key: str | None, max_request_bytes: int =
         return {**public_args, **reply.data, "num_active_requests_main": state.tm.num_active}
 
     @app.api_route("/flush_cache", methods=["GET", "POST"])
-    async def flush_cache() -> Response:
-        reply = await state.tm.control("flush_cache")
+    async def flush_cache(request: Request) -> Response:
+        # ?storage=true also empties the hierarchical cache's disk tier (shared with replicas).
+        storage = request.query_params.get("storage", "false").lower() in ("1", "true", "yes")
+        reply = await state.tm.control("flush_cache_storage" if storage else "flush_cache")
         if not reply.ok:
             return error_response(400, f"cache not flushed: {reply.data.get('message', '')}")
         return Response("Cache flushed.\n", status_code=200)

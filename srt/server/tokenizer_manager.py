@@ -38,6 +38,7 @@ class _ReqState:
     ended: bool = False  # finished, failed or closed: no longer in the manager
     completion_tokens: int = 0
     cached_tokens: int = 0
+    cached_tiers: list[int] | None = None
     finish_reason: dict[str, Any] | None = None
     spec_verify_ct: int = 0
     spec_accepted: int = 0
@@ -255,6 +256,7 @@ class TokenizerManager:
         state.ids.extend(o.new_token_ids)
         state.completion_tokens += len(o.new_token_ids)
         state.cached_tokens = o.cached_tokens
+        state.cached_tiers = o.cached_tiers
         state.spec_verify_ct, state.spec_accepted = o.spec_verify_ct, o.spec_accepted
         record = state.logprobs
         record.input_token.extend(o.input_token_logprobs or [])
@@ -269,7 +271,8 @@ class TokenizerManager:
         """What arrived since the last chunk, as a result; the state starts collecting anew."""
         # The detokenizer trimmed stop strings and stop regex matches, streamed or not.
         progress = Progress(prompt_tokens=state.prompt_tokens, completion_tokens=state.completion_tokens,
-                            cached_tokens=state.cached_tokens, finish_reason=state.finish_reason,
+                            cached_tokens=state.cached_tokens, cached_tiers=state.cached_tiers,
+                            finish_reason=state.finish_reason,
                             e2e_latency=time.perf_counter() - state.created, spec_verify_ct=state.spec_verify_ct)
         text = state.texts[0] if len(state.texts) == 1 else "".join(state.texts)
         chunk = result(state.msg, text, state.ids, progress, state.logprobs,

@@ -1,0 +1,190 @@
+"""The scheduler's side of the hierarchical cache: loading a request's prefix back from the
+host and disk tiers at admission, saving finished prefixes to disk, and the per-tier counts.
+
+The tree (radix/tiered.py) decides where KV lives and queues the host copies; this class runs
+them on the engine (`engine.move_kv`) before anything can overwrite or read the slots they
+touch, and talks to the disk tier (radix/storage.py) in blocks of `block_tokens` tokens keyed
+by a hash chain over the tokens, the model's identity and the cache namespace. Disk blocks are
+read at admission, synchronously (a request's prefill needs them), straight into device slots.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from ...radix.storage import KVStorage
+from ...radix.tiered import TieredMatch, TieredRadixCache
+from .kv_memory import PageAllocator
+
+logger = logging.getLogger(__name__)
+
+STORAGE_BLOCK_TOKENS = 64
+
+
+class CacheTiers:
+    def __init__(self, tree: TieredRadixCache, allocator: PageAllocator, engine, storage: KVStorage | None,
+                 block_tokens: int):
+        self.tree = tree
+        self.allocator = allocator
+        self.engine = engine
+        self.storage = storage
+        self.block_tokens = block_tokens
+        self.bytes_per_token = engine.kv_bytes_per_token
+        self.reset_stats()
+
+    def reset_stats(self) -> None:
+        self.stats = {"host_hit_tokens": 0, "host_miss_tokens": 0, "storage_hit_tokens": 0,
+                      "storage_read_seconds": 0.0, "storage_saved_tokens": 0}
+
+    # ---- copies --------------------------------------------------------------------------
+
+    def flush_moves(self) -> None:
+        """Runs the tree's queued copies now (before the next forward writes or reads)."""
+        moves = self.tree.take_moves()
+        if moves:
+            self.engine.move_kv(moves)
+
+    def _alloc(self, n: int) -> list[int] | None:
+        """`n` fresh device slots (whole pages: callers pass page-aligned counts), evicting."""
+        needed = self.allocator.slots_needed(0, n)
+        if needed > self.allocator.available_size:
+            self.tree.evict(needed - self.allocator.available_size)
+        return self.allocator.alloc(0, n, None)
+
+    # ---- admission -----------------------------------------------------------------------
+
+    def extend(self, key: list[int], namespace, match: TieredMatch, seq_len: int) -> tuple[TieredMatch, int, int]:
+        """`match` (locked by the caller) extended over the host part and then over disk
+        blocks; moves the lock to the returned match's node. Returns it with the tokens that
+        came from the host and from disk. Nothing is loaded for a request of `seq_len` tokens
+        that could not fit in the device pool now (it waits; loading would be thrown away)."""
+        host = storage = 0
+        room = self.allocator.available_size + self.tree.evictable_size
+        if seq_len - match.matched_len > room:
+            self.stats["host_miss_tokens"] += match.host_len
+            return match, 0, 0
+        if match.host_nodes:
+            loaded = self.tree.load_back(match, self._alloc)
+            if loaded is not match:
+                host = loaded.matched_len - match.matched_len
+                self._relock(match, loaded)
+                match = loaded
+            else:
+                self.stats["host_miss_tokens"] += match.host_len
+        if self.storage is not None:
+            match, storage = self._from_storage(key, namespace, match)
+        self.flush_moves()
+        self.stats["host_hit_tokens"] += host
+        return match, host, storage
+
+    def _relock(self, old: TieredMatch, new: TieredMatch) -> None:
+        self.tree.lock(new.node)
+        self.tree.unlock(old.node)
+
+    def _from_storage(self, key: list[int], namespace, match: TieredMatch) -> tuple[TieredMatch, int]:
+        b = self.block_tokens
+        have = match.matched_len
+        if match.host_nodes or have + b > len(key):  # host part not loaded: no room on the device
+            return match, 0
+        start = time.perf_counter()
+        keys = self.storage.block_keys(key[:len(key) // b * b], namespace)
+        first = have // b
+        payloads: list[bytes] = []
+        for k in keys[first:]:
+            payload = self.storage.get(k)
+            if payload is None:
+                break
+            payloads.append(payload)
+        end = (first + len(payloads)) * b
+        if end <= have:
+            return match, 0
+        slots = self._alloc(end - have)
+        if slots is None:
+            return match, 0
+        self.flush_moves()  # eviction's copies read slots this write may reuse
+        skip = (have - first * b) * self.bytes_per_token
+        self.engine.write_kv_tokens(slots, memoryview(b"".join(payloads))[skip:])
+        self.tree.insert(key[:end], match.slot_indices + slots, namespace)
+        new = self.tree.match(key[:end], namespace, record_stats=False)
+        self._relock(match, new)
+        self.stats["storage_hit_tokens"] += end - have
+        self.stats["storage_read_seconds"] += time.perf_counter() - start
+        return new, end - have
+
+    # ---- saving --------------------------------------------------------------------------
+
+    def save(self, key: list[int], namespace, slots: list[int]) -> None:
+        """Queues the whole blocks of a finished sequence that the disk tier lacks (its KV is
+        read from the device now, before the slots can be reused)."""
+        if self.storage is None or not self.storage.writes_enabled:
+            return
+        b = self.block_tokens
+        keys = self.storage.block_keys(key[:len(key) // b * b], namespace)
+        missing = [i for i, k in enumerate(keys) if not self.storage.contains(k)]
+        if not missing:
+            return
+        data = self.engine.read_kv_tokens([s for i in missing for s in slots[i * b:(i + 1) * b]])
+        size = b * self.bytes_per_token
+        for n, i in enumerate(missing):
+            self.storage.put(keys[i], memoryview(data)[n * size:(n + 1) * size])
+        self.stats["storage_saved_tokens"] += len(missing) * b
+
+    # ---- visibility ----------------------------------------------------------------------
+
+    def flush(self, include_storage: bool) -> int:
+        """After the tree's reset: drops the disk tier's blocks too when asked; returns how many."""
+        self.reset_stats()
+        return self.storage.clear() if include_storage and self.storage is not None else 0
+
+    def info(self) -> dict:
+        tree = self.tree
+        engine_stats = self.engine.host_kv_stats()
+        bpt = self.bytes_per_token
+        host = {"capacity_tokens": tree.host.capacity, "used_tokens": tree.host_used,
+                "capacity_bytes": tree.host.capacity * bpt, "allocated_bytes": engine_stats["allocated_bytes"],
+                "hit_tokens": self.stats["host_hit_tokens"], "miss_tokens": self.stats["host_miss_tokens"],
+                "demoted_tokens": tree.demoted_tokens, "dropped_tokens": tree.dropped_tokens,
+                "loaded_tokens": engine_stats["h2d_tokens"], "loaded_bytes": engine_stats["h2d_tokens"] * bpt,
+                "load_seconds": engine_stats["h2d_seconds"], "written_bytes": engine_stats["d2h_tokens"] * bpt,
+                "write_seconds": engine_stats["d2h_seconds"], "write_policy": tree.write_policy}
+        out = {"host": host}
+        if self.storage is not None:
+            out["storage"] = {**self.storage.stats, "block_tokens": self.block_tokens,
+                              "hit_tokens": self.stats["storage_hit_tokens"],
+                              "saved_tokens": self.stats["storage_saved_tokens"],
+                              "read_seconds": self.stats["storage_read_seconds"],
+                              "directory": str(self.storage.directory)}
+        return out
+
+
+def storage_block_tokens(page_size: int) -> int:
+    """Disk blocks hold whole pages: 64 tokens, or one page when pages are larger."""
+    return STORAGE_BLOCK_TOKENS if STORAGE_BLOCK_TOKENS % page_size == 0 else page_size * -(-STORAGE_BLOCK_TOKENS // page_size)
+
+
+def host_tier_request(args, device_tokens: int) -> dict[str, int]:
+    """What the engine is asked to allocate for the host tier: --hicache-size GB, or
+    --hicache-ratio times the device pool."""
+    if args.cache.hicache_size:
+        return {"host_kv_bytes": int(args.cache.hicache_size * 2**30)}
+    return {"host_kv_tokens": int(args.cache.hicache_ratio * device_tokens)}
+
+
+def refuse_unsupported_with_tiers(args) -> None:
+    """What the tiers do not cover yet is refused by name, not run without them."""
+    if args.parallel.tp_size > 1:
+        raise ValueError(f"enable_hierarchical_cache: not implemented with tp_size {args.parallel.tp_size} "
+                         "(the host tier's copies run on one rank)")
+    if args.speculative.speculative_algorithm == "draft":
+        raise ValueError("enable_hierarchical_cache: not implemented with speculative_algorithm draft (the draft "
+                         "model's KV pool has no host tier); ngram speculation works")
+
+
+def make_storage(args, identity: str, block_tokens: int, bytes_per_token: int) -> KVStorage | None:
+    cache = args.cache
+    if cache.hicache_storage_backend is None:
+        return None
+    max_bytes = int(cache.hicache_storage_max_gb * 2**30) or None
+    return KVStorage(cache.hicache_storage_dir, identity, block_tokens, block_tokens * bytes_per_token, max_bytes)
+
