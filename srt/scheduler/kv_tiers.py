@@ -150,7 +150,8 @@ class CacheTiers:
                 "write_seconds": engine_stats["d2h_seconds"], "write_policy": tree.write_policy}
         out = {"host": host}
         if self.storage is not None:
-            out["storage"] = {**self.storage.stats, "block_tokens": self.block_tokens,
+            stats = self.storage.stats
+            out["storage"] = {**stats, "block_tokens": self.block_tokens, "used_tokens": stats["files"] * self.block_tokens,
                               "hit_tokens": self.stats["storage_hit_tokens"],
                               "saved_tokens": self.stats["storage_saved_tokens"],
                               "read_seconds": self.stats["storage_read_seconds"],

@@ -31,6 +31,19 @@ class Metrics:
         self.waiting = Gauge("radixlm_num_waiting_reqs", "Requests waiting for admission", registry=r)
         self.kv_usage = Gauge("radixlm_kv_usage", "Fraction of KV slots in use (requests and cache)", registry=r)
         self.cache_hit_rate = Gauge("radixlm_cache_hit_rate", "Prompt tokens matched in the radix cache / queried", registry=r)
+        # The hierarchical cache, per tier (device, host, storage): cumulative figures from the
+        # scheduler are gauges (they restart at /flush_cache); per-request ones are counters.
+        self.tier_cached = Counter("radixlm_cached_prompt_tokens_by_tier", "Prompt tokens served from each cache tier",
+                                   ["tier"], registry=r)
+        tier_gauges = {
+            "capacity_tokens": "Tokens the tier can hold", "used_tokens": "Tokens the tier holds",
+            "hit_tokens": "Tokens loaded back from the tier at admission",
+            "miss_tokens": "Tokens found in the tier but not loaded (no room on the device)",
+            "bytes_read": "Bytes moved out of the tier to the device", "bytes_written": "Bytes written to the tier",
+            "load_seconds": "Seconds spent loading the tier's KV back", "corrupt_blocks": "Bad blocks found (misses)",
+        }
+        self.tier = {name: Gauge(f"radixlm_cache_tier_{name}", text, ["tier"], registry=r)
+                     for name, text in tier_gauges.items()}
 
     def on_request_end(self, state: Any) -> None:
         """`state`: the tokenizer manager's record of a request that ended (finished or not)."""
@@ -38,6 +51,9 @@ class Metrics:
         self.requests.labels(finish_reason=reason).inc()
         self.prompt_tokens.inc(state.prompt_tokens)
         self.cached_tokens.inc(state.cached_tokens)
+        if getattr(state, "cached_tiers", None):
+            for tier, n in zip(("device", "host", "storage"), state.cached_tiers):
+                self.tier_cached.labels(tier=tier).inc(n)
         self.generation_tokens.inc(state.completion_tokens)
         self.spec_verify_steps.inc(state.spec_verify_ct)
         self.spec_accepted.inc(state.spec_accepted)
@@ -61,6 +77,20 @@ class Metrics:
         if kv.get("capacity"):
             self.kv_usage.set(1.0 - kv.get("free", 0) / kv["capacity"])
         self.cache_hit_rate.set(info.get("cache", {}).get("hit_rate", 0.0))
+        tiers = info.get("cache_tiers", {})
+        figures = {"device": {"capacity_tokens": "capacity_tokens", "used_tokens": "cached_tokens"},
+                   "host": {"capacity_tokens": "capacity_tokens", "used_tokens": "used_tokens",
+                            "hit_tokens": "hit_tokens", "miss_tokens": "miss_tokens", "bytes_read": "loaded_bytes",
+                            "bytes_written": "written_bytes", "load_seconds": "load_seconds"},
+                   "storage": {"used_tokens": "used_tokens", "hit_tokens": "hit_tokens", "bytes_read": "bytes_read",
+                               "bytes_written": "bytes_written", "load_seconds": "read_seconds",
+                               "corrupt_blocks": "corrupt"}}
+        for tier, names in figures.items():
+            values = tiers.get(tier)
+            if values is None:
+                continue
+            for gauge, key in names.items():
+                self.tier[gauge].labels(tier=tier).set(values.get(key, 0))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -1,0 +1,176 @@
+"""The hierarchical cache on the default model: a prefix served from the device, the host tier,
+the disk tier or recomputed gives the same greedy output; a multi-turn workload 4x the device
+pool keeps its cache hits; the disk tier outlives the process and shrugs off bad files; no tier
+leaks; cache salts stay apart in every tier; bad settings are refused by name."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+
+from radixlm.srt import Engine
+
+GREEDY = {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}
+
+
+def prompt(seed: int, n: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(100, 40000) for _ in range(n)]
+
+
+def tiers(out: dict) -> dict[str, int]:
+    return out["meta_info"]["cached_tokens_details"]
+
+
+def assert_no_leak(eng: Engine) -> None:
+    eng.scheduler.tree.check_invariants()  # host: free + used == capacity; device sizes exact
+    kv = eng.scheduler.kv_stats()
+    assert kv["leaked"] == 0 and kv["held_by_requests"] == 0, kv
+
+
+def fill_device(eng: Engine, seed: int, count: int, n: int) -> None:
+    """Other prompts, enough to push everything else out of the device pool."""
+    eng.generate(input_ids=[prompt(seed + i, n) for i in range(count)], sampling_params=GREEDY)
+
+
+@pytest.fixture(scope="module")
+def reference(engine):
+    """Outputs recomputed from scratch by the shared engine (no tiers, cache flushed)."""
+    def run(ids: list[int], salt: str | None = None) -> list[int]:
+        assert engine.flush_cache()
+        return engine.generate(input_ids=ids, sampling_params=GREEDY, cache_salt=salt)["output_ids"]
+    return run
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_outputs_are_the_same_from_every_tier(tmp_path: Path, reference, page_size: int) -> None:
+    ids = prompt(1, 700)
+    want = reference(ids)
+    eng = Engine(max_total_tokens=1024, page_size=page_size, enable_hierarchical_cache=True, hicache_ratio=8,
+                 hicache_storage_backend="file", hicache_storage_dir=str(tmp_path))
+    try:
+        cold = eng.generate(input_ids=ids, sampling_params=GREEDY)
+        assert cold["output_ids"] == want and cold["meta_info"]["cached_tokens"] == 0
+        warm = eng.generate(input_ids=ids, sampling_params=GREEDY)
+        assert warm["output_ids"] == want and tiers(warm)["device"] >= 640
+        fill_device(eng, 100, 3, 700)
+        assert eng.scheduler.tree.match_prefix(ids).matched_len < 700 - page_size  # left the device
+        host = eng.generate(input_ids=ids, sampling_params=GREEDY)
+        assert host["output_ids"] == want and tiers(host)["host"] > 0
+        eng.scheduler.tiers.storage.flush()
+        assert eng.flush_cache()  # device and host; the disk keeps its blocks
+        disk = eng.generate(input_ids=ids, sampling_params=GREEDY)
+        assert disk["output_ids"] == want and tiers(disk)["storage"] >= 640
+        assert disk["meta_info"]["cached_tokens"] == sum(tiers(disk).values())
+        assert_no_leak(eng)
+    finally:
+        eng.shutdown()
+
+
+def run_conversations(eng: Engine, conversations: int, turns: int) -> float:
+    """Multi-turn chat, one generate per turn over every conversation; the cached fraction of
+    prompt tokens from the second turn on."""
+    histories = [prompt(1000 + c, 200) for c in range(conversations)]
+    cached = total = 0
+    for turn in range(turns):
+        for c in range(conversations):
+            histories[c] += prompt(2000 + 100 * turn + c, 32)
+        outs = eng.generate(input_ids=histories, sampling_params=GREEDY)
+        for c, out in enumerate(outs):
+            histories[c] += out["output_ids"]
+            if turn:
+                cached += out["meta_info"]["cached_tokens"]
+                total += out["meta_info"]["prompt_tokens"]
+    return cached / total
+
+
+def test_multi_turn_working_set_of_4x_the_pool_keeps_its_hits(engine) -> None:
+    conversations, turns = 8, 3
+    working_set = conversations * (200 + turns * (32 + 8))
+    assert engine.flush_cache()
+    unlimited = run_conversations(engine, conversations, turns)
+    eng = Engine(max_total_tokens=working_set // 4, enable_hierarchical_cache=True, hicache_ratio=6)
+    try:
+        tiered = run_conversations(eng, conversations, turns)
+        info = eng.scheduler.server_info()["cache_tiers"]
+        assert info["host"]["hit_tokens"] > 0 and info["host"]["loaded_bytes"] > 0
+        assert_no_leak(eng)
+    finally:
+        eng.shutdown()
+    assert unlimited > 0.7
+    assert tiered >= unlimited - 0.1, (tiered, unlimited)
+
+
+def corrupt(files: list[Path]) -> None:
+    data = bytearray(files[0].read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    files[0].write_bytes(bytes(data))
+    files[1].write_bytes(files[1].read_bytes()[:100])  # truncated
+
+
+def test_bad_disk_blocks_are_misses_not_wrong_answers(tmp_path: Path, reference) -> None:
+    ids = prompt(7, 600)
+    want = reference(ids)
+    args = dict(max_total_tokens=2048, enable_hierarchical_cache=True, hicache_storage_backend="file",
+                hicache_storage_dir=str(tmp_path))
+    eng = Engine(**args)
+    try:
+        eng.generate(input_ids=ids, sampling_params=GREEDY)
+    finally:
+        eng.shutdown()  # writes land
+    files = sorted(tmp_path.rglob("*.kv"), key=lambda p: p.stat().st_mtime_ns)
+    assert len(files) == 600 // 64
+    # The blocks are a chain: spoiling two in the middle leaves the ones before them usable.
+    order = {f.name: i for i, f in enumerate(files)}
+    eng = Engine(**args)
+    try:
+        keys = eng.scheduler.tiers.storage.block_keys(ids[:576])
+        by_key = {k: tmp_path / k[:2] / f"{k}.kv" for k in keys}
+        assert set(p.name for p in by_key.values()) == set(order)
+        corrupt([by_key[keys[3]], by_key[keys[5]]])
+        out = eng.generate(input_ids=ids, sampling_params=GREEDY)
+        assert out["output_ids"] == want
+        assert tiers(out)["storage"] == 3 * 64
+        assert eng.scheduler.server_info()["cache_tiers"]["storage"]["corrupt"] == 1
+        assert_no_leak(eng)
+    finally:
+        eng.shutdown()
+
+
+def test_cache_salts_stay_apart_in_the_host_and_disk_tiers(tmp_path: Path) -> None:
+    ids = prompt(9, 400)
+    eng = Engine(max_total_tokens=900, enable_hierarchical_cache=True, hicache_storage_backend="file",
+                 hicache_storage_dir=str(tmp_path))
+    try:
+        eng.generate(input_ids=ids, sampling_params=GREEDY, cache_salt="alice")
+        fill_device(eng, 300, 2, 400)  # alice's prefix goes to the host
+        bob = eng.generate(input_ids=ids, sampling_params=GREEDY, cache_salt="bob")
+        assert bob["meta_info"]["cached_tokens"] == 0
+        alice = eng.generate(input_ids=ids, sampling_params=GREEDY, cache_salt="alice")
+        assert tiers(alice)["host"] > 0
+        eng.scheduler.tiers.storage.flush()
+        assert eng.flush_cache()
+        carol = eng.generate(input_ids=ids, sampling_params=GREEDY, cache_salt="carol")
+        assert carol["meta_info"]["cached_tokens"] == 0  # alice's and bob's disk blocks are not carol's
+        alice = eng.generate(input_ids=ids, sampling_params=GREEDY, cache_salt="alice")
+        assert tiers(alice)["storage"] > 0
+    finally:
+        eng.shutdown()
+
+
+def test_bad_settings_are_refused_by_name(tmp_path: Path) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    with pytest.raises(ValueError, match="hicache-storage-dir"):
+        Engine(max_total_tokens=256, enable_hierarchical_cache=True, hicache_storage_backend="file",
+               hicache_storage_dir=str(blocker / "kv"))
+    with pytest.raises(ValueError, match=r"hicache_size: the host tier needs .* GiB .* available"):
+        Engine(max_total_tokens=256, enable_hierarchical_cache=True, hicache_size=1e6)
+    with pytest.raises(ValueError, match="hicache_storage_dir: required"):
+        Engine(enable_hierarchical_cache=True, hicache_storage_backend="file")
+    with pytest.raises(ValueError, match="hicache_storage_backend"):
+        Engine(hicache_storage_backend="mooncake", hicache_storage_dir=str(tmp_path))
+    with pytest.raises(ValueError, match="hicache_ratio"):
+        Engine(enable_hierarchical_cache=True, hicache_ratio=0.5)
