@@ -364,7 +364,7 @@ def engine_mode(args: argparse.Namespace, rep: Reporter) -> None:
 
 MODE_DEFAULTS = {
     "server": dict(conversations=16, turns=4, history=512, user_tokens=64, output_tokens=16, max_total_tokens=None,
-                   hicache_ratio=2.0),
+                   hicache_ratio=5.0),  # the host tier holds the working set (4x the pool)
     "engine": dict(conversations=128, turns=5, history=2048, user_tokens=256, output_tokens=64,
                    max_total_tokens=120000, hicache_ratio=5.0),
 }

@@ -93,6 +93,9 @@ class DeviceEngine:
     def write_kv_tokens(self, slots: list[int], payload) -> None:
         self.host_kv.write_tokens(slots, payload)
 
+    def close_host_kv(self) -> None:
+        self.host_kv.close()
+
     def host_kv_stats(self) -> dict:
         return {**self.host_kv.timings(), "allocated_bytes": self.host_kv.allocated_bytes}
 

@@ -1,10 +1,13 @@
 """The host tier's memory, and the copies between it and the device KV pool.
 
-The host pool is token-major: row s holds token slot s's K and V of every layer as bytes
-([layers, 2, heads, head_dim * itemsize]), so a run of consecutive host slots is one
-contiguous block and each copy is one large transfer. It is allocated in segments on first
-use (pinned on CUDA): a 78 GB tier costs nothing at start-up, and only what the workload
-fills is ever pinned.
+The host pool is token-major: row s holds token slot s's K and V of every layer
+([layers, 2, heads, head_dim], in the pool's dtype; FP8 as bytes, which CPU kernels can index),
+so a run of consecutive host slots is one contiguous block and each copy is one large
+transfer. It is allocated in 1 GiB segments. On CUDA they are pinned by background threads
+from start-up on (pinning runs at ~1.7 GB/s per thread on the H200's host: a 78 GB tier
+allocated on demand stalled the first rounds for tens of seconds, and up front it would delay
+the start by as long); a copy waits only for a segment not pinned yet. On CPU a segment is
+allocated when first used.
 
 Copies run on the current stream, in the order the tree queued them, before the next forward:
 a device-to-host copy reads slots before a later prefill overwrites them, and a load-back
@@ -15,6 +18,7 @@ buffer in chunks: per layer one gather or scatter kernel, per contiguous host ru
 from __future__ import annotations
 
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 import torch
@@ -23,25 +27,43 @@ from ...radix.tiered import KVMove
 from .mem_pool import KVPool
 
 SEGMENT_BYTES = 1 << 30  # host memory is allocated (and pinned) a segment at a time
-CHUNK_BYTES = 256 << 20  # device staging per copy round
+CHUNK_BYTES = 512 << 20  # device staging per copy round
+PIN_THREADS = 4
 
 
 class HostKVPool:
     def __init__(self, pool: KVPool, num_slots: int, device: torch.device):
         self.pool = pool
         self.device = device
-        k0 = pool.k_buffers[0].view(torch.uint8)
+        k0 = pool.k_buffers[0]
+        self.dtype = torch.uint8 if pool.is_fp8 else k0.dtype
         self.num_layers = len(pool.k_buffers)
-        self.heads, self.row_bytes = k0.shape[0], k0.shape[2]
-        self.token_shape = (self.num_layers, 2, self.heads, self.row_bytes)
-        self.bytes_per_token = int(np.prod(self.token_shape))
+        self.token_shape = (self.num_layers, 2, k0.shape[0], self._view(k0).shape[2])
+        self.bytes_per_token = self.token_bytes(pool)
         self.num_slots = num_slots
         self.segment_tokens = max(1, SEGMENT_BYTES // self.bytes_per_token)
         self.chunk_tokens = max(1, CHUNK_BYTES // self.bytes_per_token)
-        self._segments: list[torch.Tensor | None] = [None] * -(-num_slots // self.segment_tokens)
-        self._pin = device.type == "cuda"
-        self.stats = {"d2h_tokens": 0, "h2d_tokens": 0, "d2h_seconds": 0.0, "h2d_seconds": 0.0}
+        num_segments = -(-num_slots // self.segment_tokens)
+        self._segments: list[torch.Tensor | Future | None] = [None] * num_segments
+        self._pinning: ThreadPoolExecutor | None = None
+        if device.type == "cuda":  # pinned in the background, in the order slots are handed out
+            self._pinning = ThreadPoolExecutor(PIN_THREADS, thread_name_prefix="host-kv-pin")
+            self._segments = [self._pinning.submit(self._allocate, i, True) for i in range(num_segments)]
+        self.stats = {"d2h_tokens": 0, "h2d_tokens": 0, "d2h_seconds": 0.0, "h2d_seconds": 0.0,
+                      "pin_wait_seconds": 0.0}
         self._events: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []  # CUDA: timed when read
+
+    def close(self) -> None:
+        """Stops pinning segments not begun (an exit need not wait for a whole tier)."""
+        if self._pinning is not None:
+            self._pinning.shutdown(wait=False, cancel_futures=True)
+
+    def _view(self, buf: torch.Tensor) -> torch.Tensor:
+        return buf.view(torch.uint8) if self.pool.is_fp8 else buf
+
+    def _allocate(self, index: int, pin: bool) -> torch.Tensor:
+        rows = min(self.segment_tokens, self.num_slots - index * self.segment_tokens)
+        return torch.empty((rows, *self.token_shape), dtype=self.dtype, pin_memory=pin)
 
     @staticmethod
     def token_bytes(pool: KVPool) -> int:
@@ -62,14 +84,18 @@ class HostKVPool:
 
     @property
     def allocated_bytes(self) -> int:
-        return sum(s.numel() for s in self._segments if s is not None)
+        done = [s.result() if isinstance(s, Future) and s.done() else s for s in self._segments]
+        return sum(s.numel() * s.element_size() for s in done if isinstance(s, torch.Tensor))
 
     def _segment(self, index: int) -> torch.Tensor:
         seg = self._segments[index]
-        if seg is None:
-            rows = min(self.segment_tokens, self.num_slots - index * self.segment_tokens)
-            seg = torch.empty((rows, *self.token_shape), dtype=torch.uint8, pin_memory=self._pin)
+        if isinstance(seg, Future):
+            start = time.perf_counter()
+            seg = seg.result()  # raises what pinning raised
+            self.stats["pin_wait_seconds"] += time.perf_counter() - start
             self._segments[index] = seg
+        elif seg is None:
+            seg = self._segments[index] = self._allocate(index, False)
         return seg
 
     def _runs(self, host_slots: np.ndarray):
@@ -115,21 +141,29 @@ class HostKVPool:
             self.stats[f"{kind}_tokens"] += len(dev)
             i = j
 
+    def _index(self, slots: list[int]) -> torch.Tensor:
+        """Slot indices on the device. Through pinned memory: a copy from pageable memory
+        waits for the whole stream, which would stall the step in flight."""
+        idx = torch.tensor(slots, dtype=torch.int64)
+        if self.device.type != "cuda":
+            return idx
+        return idx.pin_memory().to(self.device, non_blocking=True)
+
     def _gather(self, device_slots: list[int]) -> torch.Tensor:
-        """The KV of `device_slots` on the device, token-major: [n, layers, 2, heads, bytes]."""
-        idx = torch.tensor(device_slots, dtype=torch.int64, device=self.device)
-        out = torch.empty((len(device_slots), *self.token_shape), dtype=torch.uint8, device=self.device)
+        """The KV of `device_slots` on the device, token-major: [n, layers, 2, heads, dim]."""
+        idx = self._index(device_slots)
+        out = torch.empty((len(device_slots), *self.token_shape), dtype=self.dtype, device=self.device)
         for layer in range(self.num_layers):
             for kv, bufs in enumerate((self.pool.k_buffers, self.pool.v_buffers)):
-                src = bufs[layer].view(torch.uint8)  # [heads, slots, bytes]
+                src = self._view(bufs[layer])  # [heads, slots, dim]
                 out[:, layer, kv].copy_(src.index_select(1, idx).transpose(0, 1))
         return out
 
     def _scatter(self, device_slots: list[int], data: torch.Tensor) -> None:
-        idx = torch.tensor(device_slots, dtype=torch.int64, device=self.device)
+        idx = self._index(device_slots)
         for layer in range(self.num_layers):
             for kv, bufs in enumerate((self.pool.k_buffers, self.pool.v_buffers)):
-                bufs[layer].view(torch.uint8).index_copy_(1, idx, data[:, layer, kv].transpose(0, 1))
+                self._view(bufs[layer]).index_copy_(1, idx, data[:, layer, kv].transpose(0, 1))
 
     def _to_host(self, device_slots: list[int], host_slots: np.ndarray) -> None:
         staged = self._gather(device_slots)
@@ -137,7 +171,7 @@ class HostKVPool:
             self._segment(seg)[row:row + n].copy_(staged[a:a + n], non_blocking=True)
 
     def _to_device(self, device_slots: list[int], host_slots: np.ndarray) -> None:
-        staged = torch.empty((len(device_slots), *self.token_shape), dtype=torch.uint8, device=self.device)
+        staged = torch.empty((len(device_slots), *self.token_shape), dtype=self.dtype, device=self.device)
         for a, seg, row, n in self._runs(host_slots):
             staged[a:a + n].copy_(self._segment(seg)[row:row + n], non_blocking=True)
         self._scatter(device_slots, staged)
@@ -146,10 +180,10 @@ class HostKVPool:
 
     def read_tokens(self, device_slots: list[int]) -> bytes:
         """The KV of `device_slots` as bytes (token-major), waiting for the device."""
-        return self._gather(device_slots).cpu().numpy().tobytes()
+        return self._gather(device_slots).cpu().view(torch.uint8).numpy().tobytes()
 
     def write_tokens(self, device_slots: list[int], payload: bytes | memoryview) -> None:
-        data = torch.frombuffer(bytearray(payload), dtype=torch.uint8).view(len(device_slots), *self.token_shape)
+        data = torch.frombuffer(bytearray(payload), dtype=self.dtype).view(len(device_slots), *self.token_shape)
         self._scatter(device_slots, data.to(self.device, non_blocking=False))
 
 

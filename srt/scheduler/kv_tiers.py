@@ -130,6 +130,12 @@ class CacheTiers:
             self.storage.put(keys[i], memoryview(data)[n * size:(n + 1) * size])
         self.stats["storage_saved_tokens"] += len(missing) * b
 
+    def close(self) -> None:
+        """Lets the disk tier's queued writes land and stops the host pool's pinning."""
+        if self.storage is not None:
+            self.storage.close()
+        self.engine.close_host_kv()
+
     # ---- visibility ----------------------------------------------------------------------
 
     def flush(self, include_storage: bool) -> int:
@@ -147,7 +153,8 @@ class CacheTiers:
                 "demoted_tokens": tree.demoted_tokens, "dropped_tokens": tree.dropped_tokens,
                 "loaded_tokens": engine_stats["h2d_tokens"], "loaded_bytes": engine_stats["h2d_tokens"] * bpt,
                 "load_seconds": engine_stats["h2d_seconds"], "written_bytes": engine_stats["d2h_tokens"] * bpt,
-                "write_seconds": engine_stats["d2h_seconds"], "write_policy": tree.write_policy}
+                "write_seconds": engine_stats["d2h_seconds"], "pin_wait_seconds": engine_stats["pin_wait_seconds"],
+                "write_policy": tree.write_policy}
         out = {"host": host}
         if self.storage is not None:
             stats = self.storage.stats

@@ -140,8 +140,8 @@ class Scheduler:
 
     def close(self) -> None:
         """Finishes the disk tier's queued writes (a clean shutdown keeps what was saved)."""
-        if self.tiers is not None and self.tiers.storage is not None:
-            self.tiers.storage.close()
+        if self.tiers is not None:
+            self.tiers.close()
 
     @property
     def has_work(self) -> bool:
