@@ -318,7 +318,7 @@ def bench_engine(name: str, tiers: dict[str, Any], args: argparse.Namespace, rep
     line = {"bench": "multiturn_engine", "system": name, "conversations": args.conversations, "rounds": args.rounds,
             "history": args.history, "user_tokens": args.user_tokens, "output_tokens": args.output_tokens,
             "max_total_tokens": args.max_total_tokens, "tiers": tiers, "startup_s": round(startup, 2),
-            "warmup_s": round(warm_s, 2), "total_s": round(total, 3),
+            "warmup_s": round(warm_s, 2), "ready_s": round(startup + warm_s, 2), "total_s": round(total, 3),
             "round1_s": rounds[0]["seconds"], "rounds_2_on_s": round(total - rounds[0]["seconds"], 3),
             "per_round_s": [r["seconds"] for r in rounds], "host_tier": host_tier(info),
             "kv_capacity": info.get("max_total_tokens"), "kv_leaked": (info.get("kv") or {}).get("leaked")}
@@ -342,12 +342,15 @@ def engine_mode(args: argparse.Namespace, rep: Reporter) -> None:
     ours = bench_engine("radixlm-engine-hicache", tiers, args, rep)
     g = ENGINE_GOALS
     round1 = ratio(ours["round1_s"], base["round1_s"])
-    extra_start = round(ours["startup_s"] - base["startup_s"], 2)
+    # Ready = Engine() until its first (warm-up) generate returns: the host tier's pinning runs
+    # in the background and could otherwise hide there. The baseline runs first in the process,
+    # so its figure also carries the process's first-time costs (kernel loading, caches).
+    extra_start = round(ours["ready_s"] - base["ready_s"], 2)
     load_back = (ours["host_tier"] or {}).get("load_back_gb_s")
     rep.emit({"bench": "multiturn_engine_compare", "system": ours["system"],
               "baseline": f"{base['system']}: same workload and max_total_tokens, measured in this run",
               "total_s": ours["total_s"], "rounds_2_on_s": ours["rounds_2_on_s"], "round1_s": ours["round1_s"],
-              "startup_s": ours["startup_s"], "total_ratio": ratio(ours["total_s"], base["total_s"]),
+              "startup_s": ours["startup_s"], "ready_s": ours["ready_s"], "total_ratio": ratio(ours["total_s"], base["total_s"]),
               "rounds_2_on_ratio": ratio(ours["rounds_2_on_s"], base["rounds_2_on_s"]), "round1_ratio": round1,
               "startup_extra_s": extra_start, "goals": g,
               "meets": {"total": ours["total_s"] <= g["total_s_max"],

@@ -49,10 +49,10 @@ class StepTimer:
         self.events: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
         runner.forward = self
 
-    def __call__(self, batch):
+    def __call__(self, batch, loads=None):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        out = self.inner(batch)
+        out = self.inner(batch, loads)
         end.record()
         self.events.append(("decode" if batch.is_decode else "extend", start, end))
         return out

@@ -18,6 +18,13 @@ Locks protect device KV only; the host part of a match is loaded back in the sam
 call that matched it (`load_back`), and is pinned against host eviction while its device
 slots are found, so nothing host-side is held across calls and an abort cannot leak it.
 
+The queued copies are taken as one batch before the next forward (`take_moves`), demotions
+first: the engine then runs every load-back of the batch together, layer by layer. That order
+is safe because within one batch no loaded node is demoted (it has a host copy, and keeps it:
+a node loaded since the last `take_moves` is not host-evictable, so the host slots its copy
+reads are not handed to a demotion), while a demotion may free device slots that a load-back
+then fills, which must come after it.
+
 Invariants (check_invariants): device free + evictable + protected == capacity as before;
 host free + used == host capacity; a node has `value` or `host_value`; an H node's
 children are H.
@@ -99,6 +106,7 @@ class TieredRadixCache(RadixCache):
         self.write_policy = write_policy
         self.moves: list[KVMove] = []
         self._pinned: set[TreeNode] = set()  # host nodes being loaded back: not host-evictable
+        self._loading: set[TreeNode] = set()  # loaded since the last take_moves: keep their host copy
         super().__init__(capacity, free_slots, page_size)
 
     def _init_tree(self) -> None:
@@ -117,8 +125,11 @@ class TieredRadixCache(RadixCache):
         return self._host_used
 
     def take_moves(self) -> list[KVMove]:
+        """The copies queued since the last call, demotions ("d2h") first, each kind in the
+        order queued (see the module docstring for why that order is safe)."""
         moves, self.moves = self.moves, []
-        return moves
+        self._loading.clear()
+        return [m for m in moves if m.kind == "d2h"] + [m for m in moves if m.kind != "d2h"]
 
     def _is_leaf(self, node: TreeNode) -> bool:
         return node.value is not None and not any(c.value is not None for c in node.children.values())
@@ -178,6 +189,7 @@ class TieredRadixCache(RadixCache):
         if any(n.evicted for n in nodes):  # cannot happen: pinned; a bug must not load wrong KV
             raise RuntimeError("load_back: a pinned host node was evicted")
         self._evictable_leaves.discard(match.node)
+        self._loading.update(nodes)
         pos = 0
         for n in nodes:
             n.value = slots[pos:pos + len(n.key)]
@@ -283,9 +295,9 @@ class TieredRadixCache(RadixCache):
 
     def _evict_host(self, num_tokens: int, keep: TreeNode) -> int:
         """Frees host slots, least recently used first: host-only leaves leave the tree, device
-        nodes lose their host copy. Pinned nodes and `keep` stay."""
+        nodes lose their host copy. Pinned nodes, nodes loaded in this batch and `keep` stay."""
         candidates = [n for n in self._iter_nodes() if n.host_value is not None and n not in self._pinned
-                      and (n.value is not None or not n.children) and n is not keep]
+                      and n not in self._loading and (n.value is not None or not n.children) and n is not keep]
         heap = [(n.last_access, n.node_id, n) for n in candidates]
         heapq.heapify(heap)
         freed = 0
@@ -350,6 +362,7 @@ class TieredRadixCache(RadixCache):
         self._init_tree()
         self.reset_stats()
         self.moves = []
+        self._loading.clear()
         if slots:
             self._free_slots(slots)
 

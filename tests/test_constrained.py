@@ -130,7 +130,7 @@ def test_jump_forward_saves_steps_and_stays_valid(engine, monkeypatch):
     runner = engine.scheduler.engine.runner
     forwards = []
     real_forward = runner.forward
-    monkeypatch.setattr(runner, "forward", lambda batch: forwards.append(1) or real_forward(batch))
+    monkeypatch.setattr(runner, "forward", lambda batch, loads=None: forwards.append(1) or real_forward(batch, loads))
     params = {"json_schema": schema, "temperature": 0, "max_new_tokens": 80}
     texts, steps = {}, {}
     for jump in (False, True):

@@ -118,6 +118,26 @@ def test_a_node_is_dropped_only_when_the_host_is_full() -> None:
     assert tree.cached_prefix_len(list(range(100, 106))) == 6
 
 
+def test_a_batch_never_demotes_into_host_slots_it_loads_from() -> None:
+    """A is loaded back; a second admission in the same step needs host room. A's host copy
+    must stay (its copy has not run yet); the demotion that wanted the room drops C instead."""
+    mem = Memory(16, 8)
+    tree = TieredRadixCache(16, mem.release, 8)
+    a, b, c = list(range(8)), list(range(100, 108)), list(range(200, 208))
+    for key in (a, b, c):  # A goes to the host, which it fills
+        run_request(tree, mem, None, key)
+    match = tree.match(a)
+    tree.lock(match.node)
+    loaded = tree.load_back(match, lambda n: alloc_evicting(tree, mem, n))
+    assert loaded.matched_len == 8
+    tree.lock(loaded.node)
+    assert alloc_evicting(tree, mem, 8) is not None  # D's prefill pushes C out
+    mem.apply(tree.take_moves())
+    assert [mem.device[s] for s in loaded.slot_indices] == cells(None, a, 0, 8)
+    assert tree.cached_prefix_len(c) == 0 and tree.cached_prefix_len(a) == 8
+    tree.check_invariants()
+
+
 def test_write_through_copies_on_insert_and_evicts_without_copying() -> None:
     tree, mem = make(write_policy="write_through")
     run_request(tree, mem, None, list(range(5)))
@@ -177,6 +197,24 @@ class TieredMachine(RuleBasedStateMachine):
         own = alloc_evicting(self.tree, self.mem, 2) or []
         self.mem.apply(self.tree.take_moves())
         self.held.append((loaded, own))
+
+    @rule(ns=NAMESPACES, keys=st.lists(KEYS, min_size=2, max_size=4))
+    def start_batch(self, ns: Hashable, keys: list[list[int]]) -> None:
+        """Several requests admitted into one step: their copies run together (take_moves'
+        order) only when the step is launched, and each must then read its own prefix."""
+        admitted = []
+        for key in keys:
+            match = self.tree.match(key, ns)
+            self.tree.lock(match.node)
+            loaded = self.tree.load_back(match, lambda n: alloc_evicting(self.tree, self.mem, n))
+            self.tree.lock(loaded.node)
+            self.tree.unlock(match.node)
+            admitted.append((key, loaded))
+        self.mem.apply(self.tree.take_moves())
+        for key, loaded in admitted:
+            got = [self.mem.device[s] for s in loaded.slot_indices]
+            assert got == cells(ns, key, 0, loaded.matched_len), "a batched load-back read another prefix's KV"
+            self.held.append((loaded, []))
 
     @rule(pick=st.integers(0, 1 << 16))
     def end_request(self, pick: int) -> None:

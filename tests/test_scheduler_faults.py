@@ -14,11 +14,11 @@ def test_failed_forward_aborts_in_flight_requests_without_leaks(engine, monkeypa
     real_forward = sched.engine.runner.forward
     calls = {"n": 0}
 
-    def flaky_forward(batch):
+    def flaky_forward(batch, loads=None):
         calls["n"] += 1
         if calls["n"] == fail_on_call:
             raise RuntimeError("injected fault")
-        return real_forward(batch)
+        return real_forward(batch, loads)
 
     monkeypatch.setattr(sched.engine.runner, "forward", flaky_forward)
     ids = engine.tokenizer.encode("A request that will meet a fault", add_special_tokens=False)

@@ -115,7 +115,7 @@ class DeviceEngine:
             batch = build_extend_batch(plan.parts, self.device)
         if self.draft is not None and not speculating:
             self.draft.follow(batch)  # the draft's KV for the same tokens
-        logits = self.runner.forward(batch)
+        logits = self.runner.forward(batch, self.host_kv.take_loads() if self.host_kv is not None else None)
         prompt_logprobs: dict[int, tuple[list, list]] = {}
         if plan.decode:  # one row per part, every part samples
             return PendingStep(plan, self._sample(plan.sampling_reqs, logits, prompt_logprobs))

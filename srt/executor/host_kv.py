@@ -1,69 +1,64 @@
-"""The host tier's memory, and the copies between it and the device KV pool.
+"""The host tier's copies between host memory and the device KV pool.
 
-The host pool is token-major: row s holds token slot s's K and V of every layer
-([layers, 2, heads, head_dim], in the pool's dtype; FP8 as bytes, which CPU kernels can index),
-so a run of consecutive host slots is one contiguous block and each copy is one large
-transfer. It is allocated in 1 GiB segments. On CUDA they are pinned by background threads
-from start-up on (pinning runs at ~1.7 GB/s per thread on the H200's host: a 78 GB tier
-allocated on demand stalled the first rounds for tens of seconds, and up front it would delay
-the start by as long); a copy waits only for a segment not pinned yet. On CPU a segment is
-allocated when first used.
+The host pool is layer-major within each segment (host_segments.py): segment rows are token
+slots, and layer l of a run of consecutive host slots is one contiguous block
+([layers, slots, 2, heads, head_dim] in the pool's dtype; FP8 as bytes, which CPU kernels can
+index), so each layer of a run is one large copy.
 
-Copies run on the current stream, in the order the tree queued them, before the next forward:
-a device-to-host copy reads slots before a later prefill overwrites them, and a load-back
-lands before the prefill that reads it. Each batch of moves goes through a device staging
-buffer in chunks: per layer one gather or scatter kernel, per contiguous host run one copy.
+Device-to-host copies (demotions) run on the current stream, in the order the tree queued
+them, before the next forward: they read slots before a later step overwrites them. On CUDA,
+host-to-device copies (load-backs) run layer by layer beside the next forward (host_loads.py),
+which scatters each layer into the pool just before that layer's attention. On CPU the same
+copies run in place.
 """
 
 from __future__ import annotations
 
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 import torch
 
 from ...radix.tiered import KVMove
+from .host_loads import LayerLoads
+from .host_segments import HostSegments
 from .mem_pool import KVPool
 
 SEGMENT_BYTES = 1 << 30  # host memory is allocated (and pinned) a segment at a time
-CHUNK_BYTES = 512 << 20  # device staging per copy round
-PIN_THREADS = 4
+CHUNK_BYTES = 256 << 20  # device staging per copy round and layer
 
 
 class HostKVPool:
     def __init__(self, pool: KVPool, num_slots: int, device: torch.device):
         self.pool = pool
         self.device = device
+        self.cuda = device.type == "cuda"
         k0 = pool.k_buffers[0]
         self.dtype = torch.uint8 if pool.is_fp8 else k0.dtype
         self.num_layers = len(pool.k_buffers)
-        self.token_shape = (self.num_layers, 2, k0.shape[0], self._view(k0).shape[2])
+        self.layer_shape = (2, k0.shape[0], self._view(k0).shape[2])  # one token's K and V of a layer
         self.bytes_per_token = self.token_bytes(pool)
         self.num_slots = num_slots
         self.segment_tokens = max(1, SEGMENT_BYTES // self.bytes_per_token)
-        self.chunk_tokens = max(1, CHUNK_BYTES // self.bytes_per_token)
+        self.chunk_tokens = max(1, CHUNK_BYTES * self.num_layers // self.bytes_per_token)
         num_segments = -(-num_slots // self.segment_tokens)
-        self._segments: list[torch.Tensor | Future | None] = [None] * num_segments
-        self._pinning: ThreadPoolExecutor | None = None
-        if device.type == "cuda":  # pinned in the background, in the order slots are handed out
-            self._pinning = ThreadPoolExecutor(PIN_THREADS, thread_name_prefix="host-kv-pin")
-            self._segments = [self._pinning.submit(self._allocate, i, True) for i in range(num_segments)]
-        self.stats = {"d2h_tokens": 0, "h2d_tokens": 0, "d2h_seconds": 0.0, "h2d_seconds": 0.0,
-                      "pin_wait_seconds": 0.0}
+
+        def shape(index: int) -> tuple[int, ...]:
+            rows = min(self.segment_tokens, num_slots - index * self.segment_tokens)
+            return (self.num_layers, rows, *self.layer_shape)
+
+        self.segments = HostSegments(num_segments, shape, self.dtype, pinned=self.cuda)
+        self.copy_stream = torch.cuda.Stream(device) if self.cuda else None
+        self._loads: LayerLoads | None = None  # load-backs the next forward scatters
+        self._timed_loads: list[LayerLoads] = []  # done, their copy time not read yet
+        self.stats = {"d2h_tokens": 0, "h2d_tokens": 0, "d2h_seconds": 0.0, "h2d_seconds": 0.0}
         self._events: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []  # CUDA: timed when read
 
     def close(self) -> None:
-        """Stops pinning segments not begun (an exit need not wait for a whole tier)."""
-        if self._pinning is not None:
-            self._pinning.shutdown(wait=False, cancel_futures=True)
+        self.segments.close()
 
     def _view(self, buf: torch.Tensor) -> torch.Tensor:
         return buf.view(torch.uint8) if self.pool.is_fp8 else buf
-
-    def _allocate(self, index: int, pin: bool) -> torch.Tensor:
-        rows = min(self.segment_tokens, self.num_slots - index * self.segment_tokens)
-        return torch.empty((rows, *self.token_shape), dtype=self.dtype, pin_memory=pin)
 
     @staticmethod
     def token_bytes(pool: KVPool) -> int:
@@ -73,6 +68,10 @@ class HostKVPool:
     def timings(self) -> dict[str, float]:
         """Tokens copied and seconds spent each way (on CUDA from events, so reading them
         waits for nothing but the copies already done)."""
+        self._collect_timings()
+        return {**self.stats, "pin_wait_seconds": self.segments.wait_seconds}
+
+    def _collect_timings(self) -> None:
         pending = []
         for kind, start, end in self._events:
             if end.query():
@@ -80,27 +79,37 @@ class HostKVPool:
             else:
                 pending.append((kind, start, end))
         self._events = pending
-        return dict(self.stats)
+        waiting = []
+        for loads in self._timed_loads:
+            seconds = loads.copy_seconds()
+            if seconds is None:
+                waiting.append(loads)
+            else:
+                self.stats["h2d_seconds"] += seconds
+        self._timed_loads = waiting
 
     @property
     def allocated_bytes(self) -> int:
-        done = [s.result() if isinstance(s, Future) and s.done() else s for s in self._segments]
-        return sum(s.numel() * s.element_size() for s in done if isinstance(s, torch.Tensor))
+        return self.segments.allocated_bytes
 
-    def _segment(self, index: int) -> torch.Tensor:
-        seg = self._segments[index]
-        if isinstance(seg, Future):
-            start = time.perf_counter()
-            seg = seg.result()  # raises what pinning raised
-            self.stats["pin_wait_seconds"] += time.perf_counter() - start
-            self._segments[index] = seg
-        elif seg is None:
-            seg = self._segments[index] = self._allocate(index, False)
-        return seg
+    def take_loads(self) -> LayerLoads | None:
+        """The load-backs queued since the last forward, for the next forward to scatter layer
+        by layer (model_runner.LayerGate); handed out once."""
+        loads, self._loads = self._loads, None
+        return loads
 
-    def _runs(self, host_slots: np.ndarray):
+    def _after_loads(self) -> None:
+        """Scatters the load-backs no forward has taken yet, now, on the current stream: work
+        about to touch slots or host rows must come after them (a request aborted before its
+        prefill frees slots a load-back targets)."""
+        if self._loads is not None:
+            self._loads.finish()
+            self._loads = None
+
+    def runs(self, host_slots):
         """(start in the move, segment, row, length) per run of consecutive host slots that
         stays inside one segment."""
+        host_slots = np.asarray(host_slots, dtype=np.int64)
         breaks = np.flatnonzero((np.diff(host_slots) != 1)
                                 | (host_slots[1:] % self.segment_tokens == 0)) + 1
         starts = np.concatenate(([0], breaks))
@@ -111,6 +120,8 @@ class HostKVPool:
 
     def run(self, moves: list[KVMove]) -> None:
         """Runs the moves in order (consecutive moves of one kind as one batch)."""
+        if self.cuda:
+            self._collect_timings()  # the events of copies done are let go as they come
         i = 0
         while i < len(moves):
             kind = moves[i].kind
@@ -121,70 +132,96 @@ class HostKVPool:
                 dev.extend(moves[j].device_slots)
                 host.extend(moves[j].host_slots)
                 j += 1
-            cuda = self.device.type == "cuda"
-            if cuda:
-                start_event, end_event = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start_event.record()
-            start = time.perf_counter()
-            for c in range(0, len(dev), self.chunk_tokens):
-                d = dev[c:c + self.chunk_tokens]
-                h = np.asarray(host[c:c + self.chunk_tokens], dtype=np.int64)
-                if kind == "d2h":
-                    self._to_host(d, h)
-                else:
-                    self._to_device(d, h)
-            if cuda:  # no synchronize: the copies overlap the step in flight
-                end_event.record()
-                self._events.append((kind, start_event, end_event))
+            if kind == "d2h":
+                self._timed(kind, len(dev), lambda: self._to_host(dev, host))
+            elif self.cuda:
+                self._after_loads()  # in order: a slot loaded twice gets the later copy
+                self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))  # demotions' host rows
+                self._loads = LayerLoads(self, dev, host, self.copy_stream)
+                self._timed_loads.append(self._loads)
+                self.stats["h2d_tokens"] += len(dev)
             else:
-                self.stats[f"{kind}_seconds"] += time.perf_counter() - start
-            self.stats[f"{kind}_tokens"] += len(dev)
+                self._timed(kind, len(dev), lambda: self._to_device(dev, host))
             i = j
 
-    def _index(self, slots: list[int]) -> torch.Tensor:
+    def _timed(self, kind: str, tokens: int, copy) -> None:
+        if not self.cuda:
+            start = time.perf_counter()
+            copy()
+            self.stats[f"{kind}_seconds"] += time.perf_counter() - start
+        else:
+            start_event, end_event = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start_event.record()
+            copy()
+            end_event.record()  # no synchronize: the copies overlap the step in flight
+            self._events.append((kind, start_event, end_event))
+        self.stats[f"{kind}_tokens"] += tokens
+
+    def index(self, slots: list[int]) -> torch.Tensor:
         """Slot indices on the device. Through pinned memory: a copy from pageable memory
         waits for the whole stream, which would stall the step in flight."""
         idx = torch.tensor(slots, dtype=torch.int64)
-        if self.device.type != "cuda":
+        if not self.cuda:
             return idx
         return idx.pin_memory().to(self.device, non_blocking=True)
 
+    def layer_buffers(self, layer: int):
+        return self._view(self.pool.k_buffers[layer]), self._view(self.pool.v_buffers[layer])
+
+    def _chunks(self, device_slots: list[int], host_slots: list[int]):
+        for c in range(0, len(device_slots), self.chunk_tokens):
+            yield (self.index(device_slots[c:c + self.chunk_tokens]),
+                   list(self.runs(host_slots[c:c + self.chunk_tokens])))
+
+    def _to_host(self, device_slots: list[int], host_slots: list[int]) -> None:
+        if self.cuda:
+            self._after_loads()
+        for idx, runs in self._chunks(device_slots, host_slots):
+            staged = torch.empty((len(idx), *self.layer_shape), dtype=self.dtype, device=self.device)
+            for layer in range(self.num_layers):
+                for kv, buf in enumerate(self.layer_buffers(layer)):  # buf: [heads, slots, dim]
+                    staged[:, kv].copy_(buf.index_select(1, idx).transpose(0, 1))
+                for a, seg, row, n in runs:
+                    self.segments.get(seg)[layer, row:row + n].copy_(staged[a:a + n], non_blocking=True)
+
+    def _to_device(self, device_slots: list[int], host_slots: list[int]) -> None:
+        """The CPU load-back: each chunk's rows staged, then scattered, layer by layer."""
+        for idx, runs in self._chunks(device_slots, host_slots):
+            staged = torch.empty((len(idx), *self.layer_shape), dtype=self.dtype)
+            for layer in range(self.num_layers):
+                for a, seg, row, n in runs:
+                    staged[a:a + n].copy_(self.segments.get(seg)[layer, row:row + n])
+                for kv, buf in enumerate(self.layer_buffers(layer)):
+                    buf.index_copy_(1, idx, staged[:, kv].transpose(0, 1))
+
+    # ---- the disk tier's reads and writes go through the device directly, token-major --------
+
     def _gather(self, device_slots: list[int]) -> torch.Tensor:
         """The KV of `device_slots` on the device, token-major: [n, layers, 2, heads, dim]."""
-        idx = self._index(device_slots)
-        out = torch.empty((len(device_slots), *self.token_shape), dtype=self.dtype, device=self.device)
+        if self.cuda:
+            self._after_loads()
+        idx = self.index(device_slots)
+        out = torch.empty((len(device_slots), self.num_layers, *self.layer_shape), dtype=self.dtype,
+                          device=self.device)
         for layer in range(self.num_layers):
-            for kv, bufs in enumerate((self.pool.k_buffers, self.pool.v_buffers)):
-                src = self._view(bufs[layer])  # [heads, slots, dim]
-                out[:, layer, kv].copy_(src.index_select(1, idx).transpose(0, 1))
+            for kv, buf in enumerate(self.layer_buffers(layer)):
+                out[:, layer, kv].copy_(buf.index_select(1, idx).transpose(0, 1))
         return out
-
-    def _scatter(self, device_slots: list[int], data: torch.Tensor) -> None:
-        idx = self._index(device_slots)
-        for layer in range(self.num_layers):
-            for kv, bufs in enumerate((self.pool.k_buffers, self.pool.v_buffers)):
-                self._view(bufs[layer]).index_copy_(1, idx, data[:, layer, kv].transpose(0, 1))
-
-    def _to_host(self, device_slots: list[int], host_slots: np.ndarray) -> None:
-        staged = self._gather(device_slots)
-        for a, seg, row, n in self._runs(host_slots):
-            self._segment(seg)[row:row + n].copy_(staged[a:a + n], non_blocking=True)
-
-    def _to_device(self, device_slots: list[int], host_slots: np.ndarray) -> None:
-        staged = torch.empty((len(device_slots), *self.token_shape), dtype=self.dtype, device=self.device)
-        for a, seg, row, n in self._runs(host_slots):
-            staged[a:a + n].copy_(self._segment(seg)[row:row + n], non_blocking=True)
-        self._scatter(device_slots, staged)
-
-    # ---- the disk tier's reads and writes go through the device directly --------------------
 
     def read_tokens(self, device_slots: list[int]) -> bytes:
         """The KV of `device_slots` as bytes (token-major), waiting for the device."""
         return self._gather(device_slots).cpu().view(torch.uint8).numpy().tobytes()
 
     def write_tokens(self, device_slots: list[int], payload: bytes | memoryview) -> None:
-        data = torch.frombuffer(bytearray(payload), dtype=self.dtype).view(len(device_slots), *self.token_shape)
-        self._scatter(device_slots, data.to(self.device, non_blocking=False))
+        data = torch.frombuffer(bytearray(payload), dtype=self.dtype).view(len(device_slots), self.num_layers,
+                                                                          *self.layer_shape)
+        data = data.to(self.device, non_blocking=False)
+        if self.cuda:
+            self._after_loads()
+        idx = self.index(device_slots)
+        for layer in range(self.num_layers):
+            for kv, buf in enumerate(self.layer_buffers(layer)):
+                buf.index_copy_(1, idx, data[:, layer, kv].transpose(0, 1))
 
 
 def host_tier_tokens(bytes_per_token: int, tokens: int | None, size_bytes: int | None) -> int:

@@ -108,21 +108,48 @@ class ModelRunner:
             return CudaGraphRunner(self.model, self.attn_backend, max_bs, max_pages_per_req, self.device)
 
     @torch.inference_mode()
-    def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        """Float32 logits for `batch.logit_rows`: [len(logit_rows), vocab]."""
+    def forward(self, batch: ForwardBatch, loads=None) -> torch.Tensor:
+        """Float32 logits for `batch.logit_rows`: [len(logit_rows), vocab].
+        loads: KV being loaded back from the host tier (host_loads.LayerLoads), scattered into
+        the pool layer by layer as this forward reaches each layer."""
         if self.step_sender is None:
-            return self._forward(batch)
+            return self._forward(batch, loads)
         with self.step_sender.sending(batch):  # tensor parallelism: the other ranks run it too
-            return self._forward(batch)
+            return self._forward(batch, loads)
 
-    def _forward(self, batch: ForwardBatch) -> torch.Tensor:
+    def _forward(self, batch: ForwardBatch, loads) -> torch.Tensor:
         # A decode batch with enough shared-prefix KV runs cascade attention: in its bucket's
         # cascade graph, or eagerly where the bucket has none (should_replay asks the backend).
         graphs = self.graph_runner
         if graphs is not None and graphs.should_replay(batch):
+            if loads is not None:  # a graph cannot stop per layer: the whole load first
+                loads.finish()
             return graphs.replay(batch)
         self.attn_backend.plan(batch)
-        return self.model(batch.input_ids, batch.positions, self.attn_backend, batch.logit_rows)
+        if loads is None:
+            return self.model(batch.input_ids, batch.positions, self.attn_backend, batch.logit_rows)
+        logits = self.model(batch.input_ids, batch.positions, LayerGate(self.attn_backend, loads), batch.logit_rows)
+        loads.finish()  # a model whose layers skip attention still gets every layer
+        return logits
+
+
+class LayerGate:
+    """An attention backend whose layer l first has `loads` scatter layer l's loaded KV into
+    the pool: the layers before it compute while layer l is still being copied in."""
+
+    def __init__(self, backend: AttentionBackend, loads):
+        self._backend, self._loads = backend, loads
+
+    def forward_with_rotary(self, q, k, v, layer_id: int, positions, rotary, ops):
+        self._loads.before_layer(layer_id)
+        return self._backend.forward_with_rotary(q, k, v, layer_id, positions, rotary, ops)
+
+    def forward(self, q, k, v, layer_id: int):
+        self._loads.before_layer(layer_id)
+        return self._backend.forward(q, k, v, layer_id)
+
+    def __getattr__(self, name: str):
+        return getattr(self._backend, name)
 
 
 def resolve_attention_backend(name: str, device: torch.device, dtype: torch.dtype) -> str:

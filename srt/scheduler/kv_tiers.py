@@ -2,8 +2,8 @@
 host and disk tiers at admission, saving finished prefixes to disk, and the per-tier counts.
 
 The tree (radix/tiered.py) decides where KV lives and queues the host copies; this class runs
-them on the engine (`engine.move_kv`) before anything can overwrite or read the slots they
-touch, and talks to the disk tier (radix/storage.py) in blocks of `block_tokens` tokens keyed
+them on the engine (`engine.move_kv`) when the next step is launched (a disk read runs them
+first: it writes slots a queued demotion may still have to read), and talks to the disk tier (radix/storage.py) in blocks of `block_tokens` tokens keyed
 by a hash chain over the tokens, the model's identity and the cache namespace. Disk blocks are
 read at admission, synchronously (a request's prefill needs them), straight into device slots.
 """
@@ -74,7 +74,8 @@ class CacheTiers:
                 self.stats["host_miss_tokens"] += match.host_len
         if self.storage is not None:
             match, storage = self._from_storage(key, namespace, match)
-        self.flush_moves()
+        # The copies stay queued until the step is launched: the load-backs of every request
+        # admitted into it then run as one batch, layer by layer, beside the prefill.
         self.stats["host_hit_tokens"] += host
         return match, host, storage
 
