@@ -14,9 +14,11 @@ import torch
 from .core.step import kv_pool_slots
 from .executor import parallel
 from .executor.device_engine import DeviceEngine, kv_capacity
+from .executor.host_kv import HostKVPool, agree_on_host_tokens, host_tier_tokens
 from .executor.model_loader import LoadedModel, load_model
 from .executor.model_runner import ModelRunner, kv_slots_for
 from .executor.step_broadcast import Follower, StepReceiver
+from .scheduler.kv_tiers import host_tier_request
 from .scheduler.scheduler import Scheduler
 from .server_args import ServerArgs
 
@@ -78,5 +80,11 @@ def build_follower(rank: Rank, args: ServerArgs) -> Follower:
     table = np.zeros((args.scheduler.max_running_requests, context_len + 1), dtype=np.int64)
     num_slots = kv_pool_slots(capacity, args.cache.page_size)
     runner = ModelRunner(rank.loaded, args, torch.from_numpy(table), num_slots, rank.tp)
+    host_kv = None
+    if args.cache.enable_hierarchical_cache:  # this rank's shard of the host tier, as DeviceEngine makes it
+        request = host_tier_request(args, capacity)
+        tokens = host_tier_tokens(HostKVPool.token_bytes(runner.kv_pool), request.get("host_kv_tokens"),
+                                  request.get("host_kv_bytes"))
+        host_kv = HostKVPool(runner.kv_pool, agree_on_host_tokens(tokens, rank.tp), runner.device)
     rank.tp.barrier("ready")
-    return Follower(runner, StepReceiver(rank.tp, table, runner.device))
+    return Follower(runner, StepReceiver(rank.tp, table, runner.device), host_kv)

@@ -176,6 +176,23 @@ def test_cache_salts_stay_apart_in_the_host_and_disk_tiers(tmp_path: Path) -> No
         eng.shutdown()
 
 
+@pytest.mark.slow
+def test_two_tensor_parallel_ranks_each_move_their_shard(reference) -> None:
+    """Engine(tp_size=2): rank 0's tree sends its copies to the other rank, which moves its own
+    shard of the KV (SmolLM2's 3 KV heads split 1 + 2: the ranks' host rows differ in size)."""
+    ids = prompt(11, 700)
+    want = reference(ids)
+    eng = Engine(tp_size=2, max_total_tokens=1024, enable_hierarchical_cache=True, hicache_ratio=8)
+    try:
+        assert eng.generate(input_ids=ids, sampling_params=GREEDY)["output_ids"] == want
+        fill_device(eng, 400, 3, 700)
+        host = eng.generate(input_ids=ids, sampling_params=GREEDY)
+        assert tiers(host)["host"] > 600 and host["output_ids"] == want
+        assert_no_leak(eng)
+    finally:
+        eng.shutdown()
+
+
 def test_bad_settings_are_refused_by_name(tmp_path: Path) -> None:
     blocker = tmp_path / "a-file"
     blocker.write_text("")
@@ -190,3 +207,6 @@ def test_bad_settings_are_refused_by_name(tmp_path: Path) -> None:
         Engine(hicache_storage_backend="mooncake", hicache_storage_dir=str(tmp_path))
     with pytest.raises(ValueError, match="hicache_ratio"):
         Engine(enable_hierarchical_cache=True, hicache_ratio=0.5)
+    with pytest.raises(ValueError, match="hicache_storage_backend: not implemented with tp_size 2"):
+        Engine(tp_size=2, enable_hierarchical_cache=True, hicache_storage_backend="file",
+               hicache_storage_dir=str(tmp_path))

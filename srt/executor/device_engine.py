@@ -20,7 +20,7 @@ from ..core.step import PendingStep, StepPlan, StepResult
 from ..server_args import ServerArgs
 from .batch_builder import (build_decode_batch, build_extend_batch, build_verify_batch,
                             keeps_every_row)
-from .host_kv import HostKVPool, host_tier_tokens, model_identity
+from .host_kv import HostKVPool, agree_on_host_tokens, host_tier_tokens, model_identity
 from .grammar_mask import apply_draft_grammar_masks, apply_grammar_masks
 from .logprobs import input_logprobs, output_logprobs
 from .model_runner import ModelRunner, kv_slots_for
@@ -61,7 +61,7 @@ class DeviceEngine:
         if host_kv_tokens is not None or host_kv_bytes is not None:
             pool = self.runner.kv_pool
             bpt = HostKVPool.token_bytes(pool)
-            tokens = host_tier_tokens(bpt, host_kv_tokens, host_kv_bytes)
+            tokens = agree_on_host_tokens(host_tier_tokens(bpt, host_kv_tokens, host_kv_bytes), tp)
             self.host_kv = HostKVPool(pool, tokens, self.device)
             self.host_kv_tokens = tokens
             self.kv_bytes_per_token = bpt
@@ -83,6 +83,8 @@ class DeviceEngine:
 
     @torch.inference_mode()
     def move_kv(self, moves) -> None:
+        if self.runner.step_sender is not None:  # the other ranks move their shards too
+            self.runner.step_sender.send_moves(moves)
         self.host_kv.run(moves)
 
     @torch.inference_mode()

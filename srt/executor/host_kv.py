@@ -242,6 +242,19 @@ def host_tier_tokens(bytes_per_token: int, tokens: int | None, size_bytes: int |
     return tokens
 
 
+def agree_on_host_tokens(tokens: int, tp) -> int:
+    """Under tensor parallelism, the smallest of the ranks' host tiers, in tokens: rank 0's
+    tree hands out host slots that every rank must have (a rank's bytes per token depend on
+    its share of the KV heads). Every rank calls it once at start-up, after its runner."""
+    if not tp.enabled:
+        return tokens
+    import torch.distributed as dist
+
+    agreed = torch.tensor([tokens], dtype=torch.int64)
+    dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=tp.cpu_group)
+    return int(agreed.item())
+
+
 def available_host_memory() -> int | None:
     try:
         with open("/proc/meminfo") as f:

@@ -31,6 +31,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from ...radix.tiered import KVMove
 from .forward_batch import ForwardBatch, ForwardMode
 from .parallel import TensorParallel
 
@@ -42,6 +43,10 @@ class Kind(enum.IntEnum):
     FORWARD = 0
     HEARTBEAT = 1
     STOP = 2
+    MOVES = 3  # the hierarchical cache's copies, run by each rank on its own shard (host_kv.py)
+
+
+MOVE_KINDS = ("d2h", "h2d")
 
 
 class StepSender:
@@ -85,6 +90,20 @@ class StepSender:
             positions, out_cache_loc, np.asarray(batch.req_pool_indices_cpu, np.int64),
             np.asarray(batch.seq_lens_cpu, np.int64), np.asarray(batch.prefix_lens_cpu, np.int64),
             np.asarray(batch.extend_lens_cpu, np.int64), logit_rows, deltas])
+
+    def send_moves(self, moves: list[KVMove]) -> None:
+        """Sends the host tier's copies before rank 0 runs them: every rank moves its own shard
+        of the same slots, in the same place among the forwards."""
+        with self._lock:
+            if self._stopped:
+                raise RuntimeError("tensor parallel: the other ranks were told to stop")
+            total = sum(len(m.device_slots) for m in moves)
+            self._send_locked(np.concatenate([
+                np.array([Kind.MOVES, len(moves), total, 0, 0, 0], dtype=np.int64),
+                np.array([MOVE_KINDS.index(m.kind) for m in moves], dtype=np.int64),
+                np.array([len(m.device_slots) for m in moves], dtype=np.int64),
+                np.asarray([s for m in moves for s in m.device_slots], dtype=np.int64),
+                np.asarray([s for m in moves for s in m.host_slots], dtype=np.int64)]))
 
     def stop(self) -> None:
         """Tells the followers to exit (once)."""
@@ -137,13 +156,15 @@ class StepReceiver:
         self.table = table
         self.device = device
 
-    def receive(self) -> tuple[Kind, ForwardBatch | None]:
+    def receive(self) -> tuple[Kind, ForwardBatch | list[KVMove] | None]:
         length = torch.zeros(1, dtype=torch.int64)
         dist.broadcast(length, src=0, group=self.tp.cpu_group)
         host = torch.empty(int(length.item()), dtype=torch.int64)
         dist.broadcast(host, src=0, group=self.tp.cpu_group)
         host = host.numpy()
         kind = Kind(int(host[0]))
+        if kind is Kind.MOVES:
+            return kind, self._moves(host)
         if kind is not Kind.FORWARD:
             return kind, None
         mode, tokens, reqs, logits, entries = (int(v) for v in host[1:_HEADER])
@@ -164,22 +185,41 @@ class StepReceiver:
             prefix_lens_cpu=prefix_lens.tolist(), extend_lens_cpu=extend_lens.tolist(), logit_rows=on_device[4])
         return kind, batch
 
+    @staticmethod
+    def _moves(host: np.ndarray) -> list[KVMove]:
+        count, total = int(host[1]), int(host[2])
+        kinds, lens = host[_HEADER:_HEADER + count], host[_HEADER + count:_HEADER + 2 * count]
+        device = host[_HEADER + 2 * count:_HEADER + 2 * count + total].tolist()
+        host_slots = host[_HEADER + 2 * count + total:].tolist()
+        moves, start = [], 0
+        for k, n in zip(kinds.tolist(), lens.tolist()):
+            moves.append(KVMove(MOVE_KINDS[k], device[start:start + n], host_slots[start:start + n]))
+            start += n
+        return moves
+
 
 class Follower:
     """A follower rank's whole job: every forward rank 0 sends, on this rank's shard, until
     rank 0 says stop (then it leaves the process group with rank 0)."""
 
-    def __init__(self, runner: Any, receiver: StepReceiver):
+    def __init__(self, runner: Any, receiver: StepReceiver, host_kv: Any = None):
+        """host_kv: this rank's host tier (host_kv.HostKVPool), with the hierarchical cache."""
         self.runner = runner
         self.receiver = receiver
+        self.host_kv = host_kv
 
     def follow(self) -> None:
         from . import parallel
 
         while True:
-            kind, batch = self.receiver.receive()
+            kind, message = self.receiver.receive()
             if kind is Kind.STOP:
+                if self.host_kv is not None:
+                    self.host_kv.close()
                 parallel.shutdown()  # with rank 0, which tears its side down now
                 return
-            if kind is Kind.FORWARD:
-                self.runner.forward(batch)
+            if kind is Kind.MOVES:
+                self.host_kv.run(message)
+            elif kind is Kind.FORWARD:
+                loads = self.host_kv.take_loads() if self.host_kv is not None else None
+                self.runner.forward(message, loads)

@@ -182,9 +182,10 @@ def host_tier_request(args, device_tokens: int) -> dict[str, int]:
 
 def refuse_unsupported_with_tiers(args) -> None:
     """What the tiers do not cover yet is refused by name, not run without them."""
-    if args.parallel.tp_size > 1:
-        raise ValueError(f"enable_hierarchical_cache: not implemented with tp_size {args.parallel.tp_size} "
-                         "(the host tier's copies run on one rank)")
+    if args.parallel.tp_size > 1 and args.cache.hicache_storage_backend is not None:
+        raise ValueError(f"hicache_storage_backend: not implemented with tp_size {args.parallel.tp_size} "
+                         "(each rank's shard would need its own files, read at admission on rank 0); the host "
+                         "tier works")
     if args.speculative.speculative_algorithm == "draft":
         raise ValueError("enable_hierarchical_cache: not implemented with speculative_algorithm draft (the draft "
                          "model's KV pool has no host tier); ngram speculation works")
