@@ -20,10 +20,16 @@ round, one generate call per round over all conversations, max_total_tokens=1200
 tiers, then with them (--hicache-ratio 5), each in a fresh Engine. SGLang's figures are
 recorded ones, not measured here.
 
+--mode restart: a --prefix-tokens prefix (default 16384) written to the disk tier by one Engine
+and served from it by the next one started on the same directory, against a cold prefill of
+the same prompt by an Engine without tiers; the 8B shape (dummy weights) on CUDA, the embedded
+model on CPU.
+
     python -m benchmarks.bench_multiturn --out benchmarks/results/cpu_multiturn.jsonl
     python -m benchmarks.bench_multiturn --baseline-only --conversations 8 --turns 2 --history 256 \\
         --user-tokens 32 --output-tokens 8 --concurrency 2
-    python -m benchmarks.bench_multiturn --mode engine --out benchmarks/results/gpu_h200.jsonl
+    python -m benchmarks.bench_multiturn --mode engine --out benchmarks/results/gpu_h200_multiturn.jsonl
+    python -m benchmarks.bench_multiturn --mode restart --out benchmarks/results/gpu_h200_multiturn.jsonl
 """
 
 from __future__ import annotations
@@ -363,9 +369,89 @@ def engine_mode(args: argparse.Namespace, rep: Reporter) -> None:
                                            for k in ("total_s", "rounds_2_on_s", "round1_s", "startup_s")}})
 
 
+# ---- restart mode ---------------------------------------------------------------------------------
+
+RESTART_GOAL = {"storage_over_cold_ttft_max": 0.3}
+
+
+def restart_mode(args: argparse.Namespace, rep: Reporter) -> None:
+    """A long prefix served from the disk tier by an Engine started after the one that wrote it,
+    against a cold prefill of the same prompt on an Engine without tiers, in the same run. Each
+    figure is one request's whole call with max_new_tokens=1 (its prefill and first token)."""
+    import tempfile
+
+    from radixlm.srt import Engine
+
+    from .engine_runs import free_engine
+    from .gpu_workloads import random_prompts
+
+    on_gpu = args.model is None and torch.cuda.is_available()
+    model_args: dict[str, Any] = {}
+    if on_gpu:
+        from .models import LLAMA3_TOKENIZER_GGUF, LLAMA_8B_CONFIG
+
+        model_args = dict(model_path=str(LLAMA_8B_CONFIG), load_format="dummy",
+                          tokenizer_path=args.tokenizer_path or str(LLAMA3_TOKENIZER_GGUF))
+    elif args.model:
+        model_args = dict(model_path=args.model)
+    storage_dir = args.storage_dir or tempfile.mkdtemp(prefix="radixlm-bench-kv-")
+    tiers = dict(enable_hierarchical_cache=True, hicache_storage_backend="file", hicache_storage_dir=storage_dir)
+    one = {"max_new_tokens": 1, "temperature": 0, "ignore_eos": True}
+    rng = random.Random(args.seed)
+
+    def make(**kw) -> Any:
+        return Engine(**model_args, max_total_tokens=args.max_total_tokens, page_size=args.page_size or 1, **kw)
+
+    def call(engine, ids: list[int]) -> tuple[dict, float]:
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        return timed(engine.generate, input_ids=ids, sampling_params=one)
+
+    engine = make()
+    ids = (100, engine.model_config.vocab_size)
+    prefix = random_prompts(rng, [args.prefix_tokens], ids)[0]
+    first, second, warm = random_prompts(rng, [16, 16, 32], ids)
+    try:
+        call(engine, warm)  # kernels compiled before anything is timed
+        cold = []
+        for suffix in (first, second):
+            engine.flush_cache()
+            out, seconds = call(engine, prefix + suffix)
+            cold.append(seconds)
+        want = out["output_ids"]
+    finally:
+        free_engine(engine)
+    writer = make(**tiers)
+    try:
+        call(writer, prefix + first)
+    finally:
+        free_engine(writer)  # its queued blocks land on disk
+    reader = make(**tiers)
+    try:
+        call(reader, warm)
+        reader.flush_cache()  # the device and host tiers; the disk keeps its blocks
+        out, from_disk = call(reader, prefix + second)
+        storage_info = reader.scheduler.server_info()["cache_tiers"]["storage"]
+    finally:
+        free_engine(reader)
+    storage_tokens = tier_tokens(out["meta_info"])["storage"]
+    goal = RESTART_GOAL["storage_over_cold_ttft_max"]
+    ratio_to_cold = ratio(from_disk, min(cold))
+    rep.emit({"bench": "multiturn_restart", "system": "radixlm-hicache-storage (a second Engine, same directory)",
+              "baseline": "the same prompt prefilled cold by an Engine without tiers, measured in this run (best of 2)",
+              "prefix_tokens": args.prefix_tokens, "storage_tokens": storage_tokens, "same_output": out["output_ids"] == want,
+              "storage_ttft_s": round(from_disk, 4), "cold_ttft_s": [round(c, 4) for c in cold],
+              "storage_over_cold": ratio_to_cold, "goal": RESTART_GOAL,
+              "meets_goal": ratio_to_cold is not None and ratio_to_cold <= goal,
+              "storage_read_s": round(storage_info["read_seconds"], 4), "storage_bytes_read": storage_info["bytes_read"],
+              "max_total_tokens": args.max_total_tokens})
+
+
 # ---- entry ----------------------------------------------------------------------------------------
 
 MODE_DEFAULTS = {
+    "restart": dict(conversations=1, turns=1, history=1, user_tokens=1, output_tokens=1, max_total_tokens=32768,
+                    hicache_ratio=2.0),
     "server": dict(conversations=16, turns=4, history=512, user_tokens=64, output_tokens=16, max_total_tokens=None,
                    hicache_ratio=5.0),  # the host tier holds the working set (4x the pool)
     "engine": dict(conversations=128, turns=5, history=2048, user_tokens=256, output_tokens=64,
@@ -386,6 +472,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--hicache-ratio", type=float, help="host tier = this x the device pool")
     p.add_argument("--storage-dir", help="also a disk tier (--hicache-storage-backend file) in this directory")
     p.add_argument("--concurrency", type=int, default=4, help="server: requests in flight")
+    p.add_argument("--prefix-tokens", type=int, default=16384, help="restart: the prefix served from disk")
     p.add_argument("--model", default=None, help="server: the embedded model; engine: the 8B config (dummy)")
     p.add_argument("--tokenizer-path", default=None, help="engine: default the Llama-3 vocab GGUF")
     p.add_argument("--page-size", type=int, default=None)
@@ -409,7 +496,7 @@ def main(argv: list[str]) -> int:
     args = parse_args(argv)
     signal.signal(signal.SIGTERM, raise_on_sigterm)  # servers are stopped on the way out
     rep = Reporter(args.out, command=command_line(), device=device_name)
-    (server_mode if args.mode == "server" else engine_mode)(args, rep)
+    {"server": server_mode, "engine": engine_mode, "restart": restart_mode}[args.mode](args, rep)
     return 0
 
 

@@ -149,7 +149,9 @@ def test_bad_disk_blocks_are_misses_not_wrong_answers(tmp_path: Path, reference)
         out = eng.generate(input_ids=ids, sampling_params=GREEDY)
         assert out["output_ids"] == want
         assert tiers(out)["storage"] == 3 * 64
-        assert eng.scheduler.server_info()["cache_tiers"]["storage"]["corrupt"] == 1
+        # The chain's blocks are read at once: both bad files are found (and deleted).
+        assert eng.scheduler.server_info()["cache_tiers"]["storage"]["corrupt"] == 2
+        assert not by_key[keys[3]].exists() and not by_key[keys[5]].exists()
         assert_no_leak(eng)
     finally:
         eng.shutdown()

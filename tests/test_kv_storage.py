@@ -53,6 +53,20 @@ def test_round_trip_and_restart(tmp_path, store):
         assert again.get(key) == payload(1)
 
 
+def test_a_chain_is_read_in_parallel_up_to_its_first_miss(store):
+    keys = store.block_keys(range(5 * BLOCK_TOKENS))
+    for i in (0, 1, 2, 4):  # block 3 is missing: block 4 cannot be used
+        store.put(keys[i], payload(i))
+    store.flush()
+    out = bytearray(5 * BLOCK_BYTES)
+    assert store.get_many_into(keys, memoryview(out)) == 3
+    assert bytes(out[:3 * BLOCK_BYTES]) == payload(0) + payload(1) + payload(2)
+    assert store.get_many_into(keys[:2], memoryview(out)) == 2
+    assert store.get_many_into(keys[3:], memoryview(out)) == 0
+    with pytest.raises(ValueError, match="out has"):
+        store.get_many_into(keys, memoryview(out)[:BLOCK_BYTES])
+
+
 def test_put_skips_existing_key(store):
     key = store.block_keys(range(BLOCK_TOKENS))[0]
     store.put(key, payload(1))

@@ -91,9 +91,12 @@ class DeviceEngine:
     def read_kv_tokens(self, slots: list[int]) -> bytes:
         return self.host_kv.read_tokens(slots)
 
+    def kv_staging(self, nbytes: int) -> memoryview:
+        return self.host_kv.staging(nbytes)
+
     @torch.inference_mode()
-    def write_kv_tokens(self, slots: list[int], payload) -> None:
-        self.host_kv.write_tokens(slots, payload)
+    def upload_kv_tokens(self, slots: list[int], offset: int) -> None:
+        self.host_kv.upload_tokens(slots, offset)
 
     def close_host_kv(self) -> None:
         self.host_kv.close()

@@ -26,6 +26,7 @@ from .mem_pool import KVPool
 
 SEGMENT_BYTES = 1 << 30  # host memory is allocated (and pinned) a segment at a time
 CHUNK_BYTES = 256 << 20  # device staging per copy round and layer
+STAGING_BYTES = 256 << 20  # host staging for disk blocks on their way to the device
 
 
 class HostKVPool:
@@ -51,11 +52,16 @@ class HostKVPool:
         self.copy_stream = torch.cuda.Stream(device) if self.cuda else None
         self._loads: LayerLoads | None = None  # load-backs the next forward scatters
         self._timed_loads: list[LayerLoads] = []  # done, their copy time not read yet
+        self._staging: torch.Tensor | None = None  # disk blocks on their way (staging())
+        self._staging_segments: HostSegments | None = None
+        self._staging_done: torch.cuda.Event | None = None
         self.stats = {"d2h_tokens": 0, "h2d_tokens": 0, "d2h_seconds": 0.0, "h2d_seconds": 0.0}
         self._events: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []  # CUDA: timed when read
 
     def close(self) -> None:
         self.segments.close()
+        if self._staging_segments is not None:
+            self._staging_segments.close()
 
     def _view(self, buf: torch.Tensor) -> torch.Tensor:
         return buf.view(torch.uint8) if self.pool.is_fp8 else buf
@@ -194,10 +200,10 @@ class HostKVPool:
                 for kv, buf in enumerate(self.layer_buffers(layer)):
                     buf.index_copy_(1, idx, staged[:, kv].transpose(0, 1))
 
-    # ---- the disk tier's reads and writes go through the device directly, token-major --------
+    # ---- the disk tier: its blocks are token-major, [n, layers, 2, heads, dim] per token ---------
 
     def _gather(self, device_slots: list[int]) -> torch.Tensor:
-        """The KV of `device_slots` on the device, token-major: [n, layers, 2, heads, dim]."""
+        """The KV of `device_slots` on the device, token-major."""
         if self.cuda:
             self._after_loads()
         idx = self.index(device_slots)
@@ -212,11 +218,30 @@ class HostKVPool:
         """The KV of `device_slots` as bytes (token-major), waiting for the device."""
         return self._gather(device_slots).cpu().view(torch.uint8).numpy().tobytes()
 
-    def write_tokens(self, device_slots: list[int], payload: bytes | memoryview) -> None:
-        data = torch.frombuffer(bytearray(payload), dtype=self.dtype).view(len(device_slots), self.num_layers,
-                                                                          *self.layer_shape)
-        data = data.to(self.device, non_blocking=False)
+    def staging(self, nbytes: int) -> memoryview:
+        """A host buffer (pinned on CUDA) for disk blocks on their way to the device, at least
+        `nbytes` long; made on first use, and handed out again once its last upload is done."""
+        if self._staging is None or self._staging.numel() < nbytes:
+            if self._staging_done is not None:
+                self._staging_done.synchronize()
+            if self._staging_segments is not None:
+                self._staging_segments.close()
+            self._staging_segments = HostSegments(1, lambda _: (max(nbytes, STAGING_BYTES),), torch.uint8,
+                                                  pinned=self.cuda)
+            self._staging = self._staging_segments.get(0)
+        elif self._staging_done is not None:
+            self._staging_done.synchronize()
+        self._staging_done = None
+        return memoryview(self._staging.numpy())[:nbytes]
+
+    def upload_tokens(self, device_slots: list[int], offset: int) -> None:
+        """Writes the staging buffer's token-major KV, from byte `offset` on, into `device_slots`."""
+        n = len(device_slots)
+        data = self._staging[offset:offset + n * self.bytes_per_token]
+        data = data.view(self.dtype).view(n, self.num_layers, *self.layer_shape).to(self.device, non_blocking=True)
         if self.cuda:
+            self._staging_done = torch.cuda.Event()
+            self._staging_done.record()
             self._after_loads()
         idx = self.index(device_slots)
         for layer in range(self.num_layers):

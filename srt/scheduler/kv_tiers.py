@@ -20,6 +20,7 @@ from .kv_memory import PageAllocator
 logger = logging.getLogger(__name__)
 
 STORAGE_BLOCK_TOKENS = 64
+STORAGE_ROUND_BYTES = 256 << 20  # disk blocks read per round (the engine's staging buffer)
 
 
 class CacheTiers:
@@ -84,34 +85,41 @@ class CacheTiers:
         self.tree.unlock(old.node)
 
     def _from_storage(self, key: list[int], namespace, match: TieredMatch) -> tuple[TieredMatch, int]:
+        """Extends `match` over the disk blocks that follow it: read a staging buffer's worth at
+        a time (in parallel), each round written into fresh device slots, until the first miss."""
         b = self.block_tokens
         have = match.matched_len
         if match.host_nodes or have + b > len(key):  # host part not loaded: no room on the device
             return match, 0
         start = time.perf_counter()
         keys = self.storage.block_keys(key[:len(key) // b * b], namespace)
-        first = have // b
-        payloads: list[bytes] = []
-        for k in keys[first:]:
-            payload = self.storage.get(k)
-            if payload is None:
+        block_bytes = b * self.bytes_per_token
+        per_round = max(1, STORAGE_ROUND_BYTES // block_bytes)
+        i = have // b
+        skip = have - i * b  # tokens of the first block already on the device
+        slots: list[int] = []
+        while i < len(keys):
+            batch = keys[i:i + per_round]
+            staging = self.engine.kv_staging(len(batch) * block_bytes)
+            found = self.storage.get_many_into(batch, staging)
+            new = self._alloc(found * b - skip) if found else None
+            if new is None:
                 break
-            payloads.append(payload)
-        end = (first + len(payloads)) * b
-        if end <= have:
+            self.flush_moves()  # eviction's copies read slots this write may reuse
+            self.engine.upload_kv_tokens(new, skip * self.bytes_per_token)
+            slots += new
+            i, skip = i + found, 0
+            if found < len(batch):
+                break
+        if not slots:
             return match, 0
-        slots = self._alloc(end - have)
-        if slots is None:
-            return match, 0
-        self.flush_moves()  # eviction's copies read slots this write may reuse
-        skip = (have - first * b) * self.bytes_per_token
-        self.engine.write_kv_tokens(slots, memoryview(b"".join(payloads))[skip:])
+        end = have + len(slots)
         self.tree.insert(key[:end], match.slot_indices + slots, namespace)
-        new = self.tree.match(key[:end], namespace, record_stats=False)
-        self._relock(match, new)
-        self.stats["storage_hit_tokens"] += end - have
+        new_match = self.tree.match(key[:end], namespace, record_stats=False)
+        self._relock(match, new_match)
+        self.stats["storage_hit_tokens"] += len(slots)
         self.stats["storage_read_seconds"] += time.perf_counter() - start
-        return new, end - have
+        return new_match, len(slots)
 
     # ---- saving --------------------------------------------------------------------------
 
