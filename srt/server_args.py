@@ -100,11 +100,14 @@ class CacheSettings(Section):
     hicache_storage_dir: str | None = setting(None, "directory of the disk tier (shared by replicas of one model)")
     hicache_storage_max_gb: float = setting(0.0, "disk tier size bound in GB (oldest blocks go first); 0: unbounded",
                                             min=0.0)
-    hicache_storage_prefetch_policy: str = setting("wait_complete", "wait_complete: admission reads a request's "
-                                                                    "disk blocks before its prefill",
-                                                   choices=("wait_complete",),
-                                                   refusal="is not implemented (wait_complete is; disk blocks are "
-                                                           "read at admission, not prefetched)")
+    hicache_storage_prefetch_policy: str = setting("wait_complete", "how long admission waits for a request's "
+                                                                    "disk blocks, read while it waits: wait_complete "
+                                                                    "(all) | timeout | best_effort (not at all)",
+                                                   choices=("wait_complete", "timeout", "best_effort"),
+                                                   refusal="is not implemented (wait_complete, timeout and "
+                                                           "best_effort are)")
+    hicache_storage_prefetch_timeout: float = setting(1.0, "seconds admission waits for disk blocks under the "
+                                                           "timeout policy", min=0.0)
 
     def check(self) -> None:
         if self.hicache_storage_backend and not self.hicache_storage_dir:

@@ -6,10 +6,12 @@ leaks; cache salts stay apart in every tier; bad settings are refused by name.""
 from __future__ import annotations
 
 import random
+import time
 from pathlib import Path
 
 import pytest
 
+from radixlm.radix.storage import KVStorage
 from radixlm.srt import Engine
 
 GREEDY = {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}
@@ -174,6 +176,45 @@ def test_cache_salts_stay_apart_in_the_host_and_disk_tiers(tmp_path: Path) -> No
         assert carol["meta_info"]["cached_tokens"] == 0  # alice's and bob's disk blocks are not carol's
         alice = eng.generate(input_ids=ids, sampling_params=GREEDY, cache_salt="alice")
         assert tiers(alice)["storage"] > 0
+    finally:
+        eng.shutdown()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("policy", ["best_effort", "timeout", "wait_complete"])
+def test_prefetch_policies_bound_the_wait_for_a_slow_disk(tmp_path: Path, reference, monkeypatch, policy) -> None:
+    """A request's 23 disk blocks are read while it waits, 8 at a time; on a disk that takes a
+    second a block, admission takes none (best_effort), what came within 1.5 s (timeout), or all
+    (wait_complete), and prefills the rest: the output is the same."""
+    ids = prompt(13, 1500)
+    want = reference(ids)
+    args = dict(max_total_tokens=2048, enable_hierarchical_cache=True, hicache_storage_backend="file",
+                hicache_storage_dir=str(tmp_path))
+    writer = Engine(**args)
+    try:
+        writer.generate(input_ids=ids, sampling_params=GREEDY)
+    finally:
+        writer.shutdown()  # its blocks land on disk
+    read = KVStorage.get_into
+
+    def slow_read(self, key, out):  # a slow disk: the fault this policy is for
+        time.sleep(1.0)
+        return read(self, key, out)
+
+    monkeypatch.setattr(KVStorage, "get_into", slow_read)
+    eng = Engine(**args, hicache_storage_prefetch_policy=policy, hicache_storage_prefetch_timeout=1.5)
+    try:
+        out = eng.generate(input_ids=ids, sampling_params=GREEDY)
+        assert out["output_ids"] == want
+        from_disk = tiers(out)["storage"]
+        waited = eng.scheduler.server_info()["cache_tiers"]["storage"]["prefetch_wait_seconds"]
+        if policy == "best_effort":
+            assert from_disk < 1472 and waited < 0.1
+        elif policy == "timeout":
+            assert 0 < from_disk < 1472 and 1.4 < waited < 2.0
+        else:
+            assert from_disk == 1472 and waited > 2.0
+        assert_no_leak(eng)
     finally:
         eng.shutdown()
 

@@ -16,6 +16,7 @@ import time
 from ...radix.storage import KVStorage
 from ...radix.tiered import TieredMatch, TieredRadixCache
 from .kv_memory import PageAllocator
+from .storage_prefetch import StoragePrefetch
 
 logger = logging.getLogger(__name__)
 
@@ -25,11 +26,12 @@ STORAGE_ROUND_BYTES = 256 << 20  # disk blocks read per round (the engine's stag
 
 class CacheTiers:
     def __init__(self, tree: TieredRadixCache, allocator: PageAllocator, engine, storage: KVStorage | None,
-                 block_tokens: int):
+                 block_tokens: int, prefetch: StoragePrefetch | None = None):
         self.tree = tree
         self.allocator = allocator
         self.engine = engine
         self.storage = storage
+        self.prefetch = prefetch
         self.block_tokens = block_tokens
         self.bytes_per_token = engine.kv_bytes_per_token
         self.reset_stats()
@@ -55,14 +57,15 @@ class CacheTiers:
 
     # ---- admission -----------------------------------------------------------------------
 
-    def extend(self, key: list[int], namespace, match: TieredMatch, seq_len: int) -> tuple[TieredMatch, int, int]:
+    def extend(self, key: list[int], namespace, match: TieredMatch, seq_len: int,
+               rid: str) -> tuple[TieredMatch, int, int]:
         """`match` (locked by the caller) extended over the host part and then over disk
         blocks; moves the lock to the returned match's node. Returns it with the tokens that
         came from the host and from disk. Nothing is loaded for a request of `seq_len` tokens
         that could not fit in the device pool now (it waits; loading would be thrown away)."""
         host = storage = 0
         room = self.allocator.available_size + self.tree.evictable_size
-        if seq_len - match.matched_len > room:
+        if seq_len - match.matched_len > room:  # it waits; its prefetch goes on
             self.stats["host_miss_tokens"] += match.host_len
             return match, 0, 0
         if match.host_nodes:
@@ -74,7 +77,7 @@ class CacheTiers:
             else:
                 self.stats["host_miss_tokens"] += match.host_len
         if self.storage is not None:
-            match, storage = self._from_storage(key, namespace, match)
+            match, storage = self._from_storage(key, namespace, match, rid)
         # The copies stay queued until the step is launched: the load-backs of every request
         # admitted into it then run as one batch, layer by layer, beside the prefill.
         self.stats["host_hit_tokens"] += host
@@ -84,24 +87,33 @@ class CacheTiers:
         self.tree.lock(new.node)
         self.tree.unlock(old.node)
 
-    def _from_storage(self, key: list[int], namespace, match: TieredMatch) -> tuple[TieredMatch, int]:
-        """Extends `match` over the disk blocks that follow it: read a staging buffer's worth at
-        a time (in parallel), each round written into fresh device slots, until the first miss."""
+    def _from_storage(self, key: list[int], namespace, match: TieredMatch, rid: str) -> tuple[TieredMatch, int]:
+        """Extends `match` over the disk blocks that follow it: those the request's prefetch
+        read (storage_prefetch.py), or, without one, read now, a staging buffer's worth at a
+        time; each round written into fresh device slots, until the first miss."""
         b = self.block_tokens
         have = match.matched_len
         if match.host_nodes or have + b > len(key):  # host part not loaded: no room on the device
+            self.forget(rid)
             return match, 0
         start = time.perf_counter()
         keys = self.storage.block_keys(key[:len(key) // b * b], namespace)
         block_bytes = b * self.bytes_per_token
         per_round = max(1, STORAGE_ROUND_BYTES // block_bytes)
-        i = have // b
+        first = i = have // b
         skip = have - i * b  # tokens of the first block already on the device
+        prefetched = self.prefetch.take(rid, first) if self.prefetch is not None else None
         slots: list[int] = []
         while i < len(keys):
             batch = keys[i:i + per_round]
             staging = self.engine.kv_staging(len(batch) * block_bytes)
-            found = self.storage.get_many_into(batch, staging)
+            if prefetched is None:
+                found = self.storage.get_many_into(batch, staging)
+            else:
+                data, ready = prefetched
+                found = max(0, min(len(batch), ready - (i - first)))
+                offset = (i - first) * block_bytes
+                staging[:found * block_bytes] = data[offset:offset + found * block_bytes]
             new = self._alloc(found * b - skip) if found else None
             if new is None:
                 break
@@ -120,6 +132,20 @@ class CacheTiers:
         self.stats["storage_hit_tokens"] += len(slots)
         self.stats["storage_read_seconds"] += time.perf_counter() - start
         return new_match, len(slots)
+
+    def prefetch_for(self, rid: str, key: list[int], namespace) -> None:
+        """Starts reading the disk blocks of a new request's prompt beyond what the device and
+        host tiers hold, in the background (storage_prefetch.py)."""
+        if self.prefetch is None or not key:
+            return
+        b = self.block_tokens
+        keys = self.storage.block_keys(key[:len(key) // b * b], namespace)
+        self.prefetch.start(rid, keys, self.tree.cached_prefix_len(key, namespace) // b)
+
+    def forget(self, rid: str) -> None:
+        """A request's prefetch is no longer wanted (it was aborted, or admitted without it)."""
+        if self.prefetch is not None:
+            self.prefetch.forget(rid)
 
     # ---- saving --------------------------------------------------------------------------
 
@@ -141,6 +167,8 @@ class CacheTiers:
 
     def close(self) -> None:
         """Lets the disk tier's queued writes land and stops the host pool's pinning."""
+        if self.prefetch is not None:
+            self.prefetch.close()
         if self.storage is not None:
             self.storage.close()
         self.engine.close_host_kv()
@@ -171,6 +199,10 @@ class CacheTiers:
                               "hit_tokens": self.stats["storage_hit_tokens"],
                               "saved_tokens": self.stats["storage_saved_tokens"],
                               "read_seconds": self.stats["storage_read_seconds"],
+                              "prefetch_policy": self.prefetch.policy,
+                              "prefetched_blocks": self.prefetch.stats["prefetched_blocks"],
+                              "prefetch_skipped_requests": self.prefetch.stats["skipped_requests"],
+                              "prefetch_wait_seconds": self.prefetch.stats["wait_seconds"],
                               "directory": str(self.storage.directory)}
         return out
 
@@ -199,10 +231,14 @@ def refuse_unsupported_with_tiers(args) -> None:
                          "model's KV pool has no host tier); ngram speculation works")
 
 
-def make_storage(args, identity: str, block_tokens: int, bytes_per_token: int) -> KVStorage | None:
+def make_storage(args, identity: str, block_tokens: int,
+                 bytes_per_token: int) -> tuple[KVStorage | None, StoragePrefetch | None]:
+    """The disk tier and its prefetcher, with --hicache-storage-backend."""
     cache = args.cache
     if cache.hicache_storage_backend is None:
-        return None
+        return None, None
     max_bytes = int(cache.hicache_storage_max_gb * 2**30) or None
-    return KVStorage(cache.hicache_storage_dir, identity, block_tokens, block_tokens * bytes_per_token, max_bytes)
+    storage = KVStorage(cache.hicache_storage_dir, identity, block_tokens, block_tokens * bytes_per_token, max_bytes)
+    return storage, StoragePrefetch(storage, cache.hicache_storage_prefetch_policy,
+                                    cache.hicache_storage_prefetch_timeout)
 

@@ -40,7 +40,7 @@ class RequestKV:
         else:  # the prefix's host and disk parts are loaded back now, before its prefill
             match = self.tree.match(key, namespace=req.namespace)
             self.tree.lock(match.node)
-            match, host, storage = self.tiers.extend(key, req.namespace, match, req.seq_len)
+            match, host, storage = self.tiers.extend(key, req.namespace, match, req.seq_len, req.rid)
         req.last_node = match.node
         req.kv_len = req.cached_len = match.matched_len
         if not req.output_ids:

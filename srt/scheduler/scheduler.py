@@ -72,8 +72,8 @@ class Scheduler:
             self.tree = TieredRadixCache(self.allocator.capacity, self.allocator.free, self.engine.host_kv_tokens,
                                          page_size=args.cache.page_size, write_policy=args.cache.hicache_write_policy)
             block = storage_block_tokens(args.cache.page_size)
-            storage = make_storage(args, self.engine.kv_identity, block, self.engine.kv_bytes_per_token)
-            self.tiers = CacheTiers(self.tree, self.allocator, self.engine, storage, block)
+            storage, prefetch = make_storage(args, self.engine.kv_identity, block, self.engine.kv_bytes_per_token)
+            self.tiers = CacheTiers(self.tree, self.allocator, self.engine, storage, block, prefetch)
         else:
             self.tree = RadixCache(self.allocator.capacity, self.allocator.free, page_size=args.cache.page_size,
                                    disable=args.cache.disable_radix_cache)
@@ -101,6 +101,8 @@ class Scheduler:
     # ---- requests in and out -------------------------------------------------------------
 
     def add_request(self, req: Req) -> None:
+        if self.tiers is not None:  # its disk blocks are read while it waits
+            self.tiers.prefetch_for(req.rid, req.fill_ids[:-1], req.namespace)
         if req.sampling_params.grammar_spec is None:
             self.prefill.add(req)
         else:  # it waits for its grammar without holding anyone back
@@ -109,6 +111,8 @@ class Scheduler:
     def abort(self, rid: str) -> Req | None:
         """Ends a request now: its KV is released and it leaves the queues at once."""
         req = self.constraints.abort(rid) or self.prefill.abort(rid) or self.decode.abort(rid)
+        if self.tiers is not None:
+            self.tiers.forget(rid)
         if req is not None:
             req.finish_reason = FinishReason("abort")
         return req
@@ -124,6 +128,8 @@ class Scheduler:
             if not req.finished:
                 req.finish_reason = FinishReason("abort", message=message)
             self.kv.release(req)
+            if self.tiers is not None:
+                self.tiers.forget(req.rid)
         return reqs
 
     def flush_cache(self, include_storage: bool = False) -> bool:
