@@ -4,11 +4,8 @@ A block holds the KV of `block_tokens` tokens and is named by a hash chain over 
 (`block_keys`), seeded by the model's identity and the request's namespace, so a restarted
 server, or another replica pointed at the same directory, finds the blocks it can reuse.
 
-Layout: `directory/<key[:2]>/<key>.kv` (a two-level fan-out keeps directories small). A file is
-
-    header  HEADER: magic, format version, header length, sha256(identity), payload length
-    payload exactly `block_bytes` bytes
-    trailer blake2b-128 of header + payload
+Layout: `directory/<key[:2]>/<key>.kv` (a two-level fan-out keeps directories small); a file's
+bytes and their checks are block_file.py's.
 
 Writes go through one background thread: the scheduler only copies the payload and queues it.
 Each write goes to a temporary file in the same folder and is renamed over the final name
@@ -27,7 +24,6 @@ import logging
 import os
 import queue
 import re
-import struct
 import threading
 import time
 from collections.abc import Hashable, Sequence
@@ -37,15 +33,12 @@ from typing import Self
 
 import numpy as np
 
+from .block_file import CHECKSUM_BYTES, HEADER, block_chunks, read_block
+
 __all__ = ["KVStorage", "StorageError"]
 
 logger = logging.getLogger(__name__)
 
-MAGIC = b"RLKV"
-FORMAT_VERSION = 1
-# magic, version, header length, sha256(identity), payload length
-HEADER = struct.Struct("<4sHH32sQ")
-CHECKSUM_BYTES = 16
 SUFFIX = ".kv"
 TEMP_SUFFIX = ".tmp"
 _KEY = re.compile(r"[0-9a-f]{64}")
@@ -71,13 +64,6 @@ def _write_file(path: str, chunks: Sequence[bytes | memoryview]) -> None:
     make the disk full here."""
     with open(path, "xb") as f:
         f.writelines(chunks)
-
-
-def _checksum(header: bytes, payload: bytes | memoryview) -> bytes:
-    h = hashlib.blake2b(digest_size=CHECKSUM_BYTES)
-    h.update(header)
-    h.update(payload)
-    return h.digest()
 
 
 class KVStorage:
@@ -220,7 +206,7 @@ class KVStorage:
         if len(out) != self.block_bytes:
             raise ValueError(f"out has {len(out)} bytes, a block {self.block_bytes}")
         path = self._path(key)
-        ok, bad, st = self._read(path, out)
+        ok, bad, st = read_block(path, self._identity_hash, out)
         if not ok:
             deleted = bad and _unlink_if_same(path, st)
             with self._lock:
@@ -254,30 +240,6 @@ class KVStorage:
         found = list(self._readers.map(lambda i: self.get_into(keys[i], out[i * size:(i + 1) * size]),
                                        range(len(keys))))
         return found.index(False) if False in found else len(found)
-
-    def _read(self, path: Path, out: memoryview) -> tuple[bool, bool, os.stat_result | None]:
-        """(whether `out` now holds the verified payload, whether the file is bad, its stat)."""
-        length = len(out)
-        try:
-            with open(path, "rb") as f:
-                st = os.fstat(f.fileno())
-                header = f.read(HEADER.size)
-                if len(header) < HEADER.size:
-                    return False, True, st
-                magic, version, header_len, identity_hash, stored_length = HEADER.unpack(header)
-                if magic != MAGIC:
-                    return False, True, st
-                if version != FORMAT_VERSION or identity_hash != self._identity_hash:
-                    return False, False, st  # another format or model: maybe valid for its writer
-                if header_len != HEADER.size or stored_length != length:
-                    return False, True, st
-                got = f.readinto(out)
-                trailer = f.read(CHECKSUM_BYTES + 1)  # one byte more: a longer file is bad
-        except OSError:
-            return False, False, None  # missing (or unreadable): a plain miss
-        if got != length or trailer != _checksum(header, out):
-            return False, True, st
-        return True, False, st
 
     # ---- writes ----
 
@@ -335,11 +297,10 @@ class KVStorage:
         path = self._path(key)
         if path.exists():  # another replica wrote it meanwhile
             return
-        header = HEADER.pack(MAGIC, FORMAT_VERSION, HEADER.size, self._identity_hash, len(data))
         tmp = path.with_name(f".{key}.{os.getpid()}.{os.urandom(4).hex()}{TEMP_SUFFIX}")
         try:
             path.parent.mkdir(parents=True, exist_ok=True)  # parents: the directory may be wiped
-            _write_file(str(tmp), [header, data, _checksum(header, data)])
+            _write_file(str(tmp), block_chunks(self._identity_hash, data))
             os.replace(tmp, path)
         except OSError as e:
             _unlink(tmp)

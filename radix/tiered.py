@@ -1,8 +1,7 @@
 """One radix tree over two KV tiers: the device pool (L1) and a host-memory pool (L2).
 
 Pure Python like cache.py: the tree decides where each node's KV lives and queues the copies
-(`KVMove`s) for the engine, which runs them in order before its next forward. Every node is in
-one of three states:
+(`KVMove`s) for the engine. Every node is in one of three states:
 
   D   `value` (device slots) only;
   DH  `value` and `host_value` (a host copy: demoting it again costs no copy);
@@ -14,16 +13,13 @@ instead of dropping it (a D node is copied to the host first, making room by dro
 host's least recently used copies); a node is dropped only when the host has no room either.
 `load_back` turns a match's host part into device KV again before the request's prefill.
 
-Locks protect device KV only; the host part of a match is loaded back in the same scheduler
-call that matched it (`load_back`), and is pinned against host eviction while its device
-slots are found, so nothing host-side is held across calls and an abort cannot leak it.
+Locks protect device KV only; a match's host part is loaded back in the scheduler call that
+matched it, pinned against host eviction meanwhile, so an abort cannot leak host state.
 
-The queued copies are taken as one batch before the next forward (`take_moves`), demotions
-first: the engine then runs every load-back of the batch together, layer by layer. That order
-is safe because within one batch no loaded node is demoted (it has a host copy, and keeps it:
-a node loaded since the last `take_moves` is not host-evictable, so the host slots its copy
-reads are not handed to a demotion), while a demotion may free device slots that a load-back
-then fills, which must come after it.
+The copies are taken as one batch before the next forward (`take_moves`), demotions first,
+so the engine runs a step's load-backs together, layer by layer. Safe: a demotion may free
+device slots a load-back then fills, but a node loaded since the last `take_moves` keeps its
+host copy (not host-evictable until then), so no demotion writes host rows a load-back reads.
 
 Invariants (check_invariants): device free + evictable + protected == capacity as before;
 host free + used == host capacity; a node has `value` or `host_value`; an H node's
@@ -125,8 +121,7 @@ class TieredRadixCache(RadixCache):
         return self._host_used
 
     def take_moves(self) -> list[KVMove]:
-        """The copies queued since the last call, demotions ("d2h") first, each kind in the
-        order queued (see the module docstring for why that order is safe)."""
+        """The copies queued since the last call, demotions first (module docstring: why)."""
         moves, self.moves = self.moves, []
         self._loading.clear()
         return [m for m in moves if m.kind == "d2h"] + [m for m in moves if m.kind != "d2h"]

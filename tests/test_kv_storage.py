@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from radixlm.radix import storage
+from radixlm.radix import block_file, storage
 from radixlm.radix.storage import KVStorage, StorageError
 
 BLOCK_TOKENS = 4
@@ -109,7 +109,7 @@ def test_foreign_identity_is_a_miss(tmp_path, store):
     # A file of a newer format version is a miss too, and left for the server that wrote it.
     path = store.directory / key[:2] / f"{key}.kv"
     data = bytearray(path.read_bytes())
-    data[4:6] = (storage.FORMAT_VERSION + 1).to_bytes(2, "little")
+    data[4:6] = (block_file.FORMAT_VERSION + 1).to_bytes(2, "little")
     path.write_bytes(bytes(data))
     assert store.get(key) is None and path.exists() and store.stats["corrupt"] == 0
 
@@ -125,7 +125,7 @@ def test_bad_files_are_misses(store):
     path(keys[0]).write_bytes(data[:len(data) // 2])  # truncated in the payload
     path(keys[1]).write_bytes(data[:10])  # truncated in the header
     flipped = bytearray(path(keys[2]).read_bytes())
-    flipped[storage.HEADER.size + 5] ^= 0xFF
+    flipped[block_file.HEADER.size + 5] ^= 0xFF
     path(keys[2]).write_bytes(bytes(flipped))
     path(keys[3]).write_bytes(path(keys[3]).read_bytes() + b"x")  # too long
 

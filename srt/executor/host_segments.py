@@ -2,7 +2,7 @@
 
 Page-locked (pinned) memory is what lets a host-to-device copy run asynchronously at the
 link's bandwidth, but pinning is slow and, through torch's allocator, stalls the process's
-kernel launches while it runs. Measured on the H200 host (2026-12-04): `torch.empty(...,
+kernel launches while it runs. Measured on the H200's host: `torch.empty(...,
 pin_memory=True)` pinned 2.6 GB/s with one thread and 2.8 with four (the driver serialises
 them), and a kernel launch waited up to 1.4 s behind it; an anonymous mapping advised to use
 huge pages, touched, then registered with `cudaHostRegister` pinned 14 GB/s and stalled a
