@@ -180,6 +180,29 @@ def test_cache_salts_stay_apart_in_the_host_and_disk_tiers(tmp_path: Path) -> No
         eng.shutdown()
 
 
+def test_a_retracted_request_resumes_from_the_host_tier(engine, caplog) -> None:
+    """A pool too small for every request (6 x ~72 tokens in 300 slots) retracts some; with the
+    host tier their KV is kept there and loaded back when they resume (not prefilled again),
+    and every output equals the roomy engine's."""
+    import logging
+
+    caplog.set_level(logging.INFO, logger="radixlm.srt.scheduler.decode")
+    prompts = [f"Write a long story about the number {i}." for i in range(6)]
+    params = {"temperature": 0, "max_new_tokens": 60, "ignore_eos": True}
+    assert engine.flush_cache()
+    want = [o["output_ids"] for o in engine.generate(prompts, params)]
+    small = Engine(max_total_tokens=300, max_running_requests=8, enable_hierarchical_cache=True, hicache_ratio=8)
+    try:
+        small.scheduler.overlap = True
+        got = [o["output_ids"] for o in small.generate(prompts, params)]
+        assert any("retracted" in r.getMessage() for r in caplog.records)
+        assert small.scheduler.server_info()["cache_tiers"]["host"]["hit_tokens"] >= 50  # else ~2: a shared start
+        assert got == want
+        assert_no_leak(small)
+    finally:
+        small.shutdown()
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("policy", ["best_effort", "timeout", "wait_complete"])
 def test_prefetch_policies_bound_the_wait_for_a_slow_disk(tmp_path: Path, reference, monkeypatch, policy) -> None:

@@ -119,16 +119,20 @@ class RequestKV:
         self.req_table.write(row, 0, match.slot_indices)
 
     def release(self, req: Req, retracting: bool = False) -> None:
-        """Gives a request's KV back: its computed sequence goes into the tree (unless aborted or
-        retracted), its own slots are freed, the lock and table row are released."""
+        """Gives a request's KV back: its computed sequence goes into the tree (unless aborted,
+        or retracted without the host tier), its own slots are freed, the lock and table row
+        are released. With the host tier a retracted request's KV is cached like a finished
+        one's: the eviction that makes the room it was retracted for moves it to the host, and
+        it resumes from there instead of prefilling its prompt and output again."""
         if req.req_pool_idx is None:
             return
         row = req.req_pool_idx
         # Up to alloc_len: a forward that failed may have taken slots it never filled.
         slots = self.req_table.table[row, :max(req.kv_len, req.alloc_len)].tolist()
         adopted = req.cached_len
-        if not retracting and req.finish_reason is not None and req.finish_reason.type != "abort":
-            if self.tiers is not None:
+        finished = req.finish_reason is not None and req.finish_reason.type != "abort"
+        if (finished and not retracting) or (retracting and self.tiers is not None):
+            if self.tiers is not None and not retracting:
                 self.tiers.save(req.fill_ids[:req.kv_len], req.namespace, slots[:req.kv_len])
             already = self.tree.insert(req.fill_ids[:req.kv_len], slots[:req.kv_len], namespace=req.namespace)
             self.allocator.free(slots[req.cached_len:already])
