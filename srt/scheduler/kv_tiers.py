@@ -3,9 +3,10 @@ host and disk tiers at admission, saving finished prefixes to disk, and the per-
 
 The tree (radix/tiered.py) decides where KV lives and queues the host copies; this class runs
 them on the engine (`engine.move_kv`) when the next step is launched (a disk read runs them
-first: it writes slots a queued demotion may still have to read), and talks to the disk tier (radix/storage.py) in blocks of `block_tokens` tokens keyed
-by a hash chain over the tokens, the model's identity and the cache namespace. Disk blocks are
-read at admission, synchronously (a request's prefill needs them), straight into device slots.
+first: it writes slots a queued demotion may still have to read), and talks to the disk tier
+(radix/storage.py) in blocks of `block_tokens` tokens keyed by a hash chain over the tokens,
+the model's identity and the cache namespace. A request's disk blocks are read while it waits
+(storage_prefetch.py) and written into device slots at its admission.
 """
 
 from __future__ import annotations
