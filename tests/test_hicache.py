@@ -128,16 +128,23 @@ def corrupt(files: list[Path]) -> None:
     files[1].write_bytes(files[1].read_bytes()[:100])  # truncated
 
 
+def written_to_disk(directory: Path, ids: list[int]) -> dict:
+    """Engine settings with a disk tier in `directory`, where an Engine that ran `ids` and
+    stopped has left its blocks."""
+    args = dict(max_total_tokens=2048, enable_hierarchical_cache=True, hicache_storage_backend="file",
+                hicache_storage_dir=str(directory))
+    writer = Engine(**args)
+    try:
+        writer.generate(input_ids=ids, sampling_params=GREEDY)
+    finally:
+        writer.shutdown()  # its blocks land on disk
+    return args
+
+
 def test_bad_disk_blocks_are_misses_not_wrong_answers(tmp_path: Path, reference) -> None:
     ids = prompt(7, 600)
     want = reference(ids)
-    args = dict(max_total_tokens=2048, enable_hierarchical_cache=True, hicache_storage_backend="file",
-                hicache_storage_dir=str(tmp_path))
-    eng = Engine(**args)
-    try:
-        eng.generate(input_ids=ids, sampling_params=GREEDY)
-    finally:
-        eng.shutdown()  # writes land
+    args = written_to_disk(tmp_path, ids)
     files = sorted(tmp_path.rglob("*.kv"), key=lambda p: p.stat().st_mtime_ns)
     assert len(files) == 600 // 64
     # The blocks are a chain: spoiling two in the middle leaves the ones before them usable.
@@ -211,13 +218,7 @@ def test_prefetch_policies_bound_the_wait_for_a_slow_disk(tmp_path: Path, refere
     (wait_complete), and prefills the rest: the output is the same."""
     ids = prompt(13, 1500)
     want = reference(ids)
-    args = dict(max_total_tokens=2048, enable_hierarchical_cache=True, hicache_storage_backend="file",
-                hicache_storage_dir=str(tmp_path))
-    writer = Engine(**args)
-    try:
-        writer.generate(input_ids=ids, sampling_params=GREEDY)
-    finally:
-        writer.shutdown()  # its blocks land on disk
+    args = written_to_disk(tmp_path, ids)
     read = KVStorage.get_into
 
     def slow_read(self, key, out):  # a slow disk: the fault this policy is for
