@@ -107,7 +107,7 @@ class HostKVPool:
     def _after_loads(self) -> None:
         """Scatters the load-backs no forward has taken yet, now, on the current stream: work
         about to touch slots or host rows must come after them (a request aborted before its
-        prefill frees slots a load-back targets)."""
+        prefill frees slots a load-back targets). On CPU there are none: loads run in place."""
         if self._loads is not None:
             self._loads.finish()
             self._loads = None
@@ -126,8 +126,7 @@ class HostKVPool:
 
     def run(self, moves: list[KVMove]) -> None:
         """Runs the moves in order (consecutive moves of one kind as one batch)."""
-        if self.cuda:
-            self._collect_timings()  # the events of copies done are let go as they come
+        self._collect_timings()  # the events of copies done are let go as they come
         i = 0
         while i < len(moves):
             kind = moves[i].kind
@@ -174,19 +173,27 @@ class HostKVPool:
     def layer_buffers(self, layer: int):
         return self._view(self.pool.k_buffers[layer]), self._view(self.pool.v_buffers[layer])
 
+    def gather_layer(self, layer: int, idx: torch.Tensor, out: torch.Tensor) -> None:
+        """`out[i]` ([2, heads, dim]) = layer `layer`'s K and V of slot `idx[i]`."""
+        for kv, buf in enumerate(self.layer_buffers(layer)):  # buf: [heads, slots, dim]
+            out[:, kv].copy_(buf.index_select(1, idx).transpose(0, 1))
+
+    def scatter_layer(self, layer: int, idx: torch.Tensor, rows: torch.Tensor) -> None:
+        """Layer `layer`'s K and V of slot `idx[i]` = `rows[i]` ([2, heads, dim])."""
+        for kv, buf in enumerate(self.layer_buffers(layer)):
+            buf.index_copy_(1, idx, rows[:, kv].transpose(0, 1))
+
     def _chunks(self, device_slots: list[int], host_slots: list[int]):
         for c in range(0, len(device_slots), self.chunk_tokens):
             yield (self.index(device_slots[c:c + self.chunk_tokens]),
                    list(self.runs(host_slots[c:c + self.chunk_tokens])))
 
     def _to_host(self, device_slots: list[int], host_slots: list[int]) -> None:
-        if self.cuda:
-            self._after_loads()
+        self._after_loads()
         for idx, runs in self._chunks(device_slots, host_slots):
             staged = torch.empty((len(idx), *self.layer_shape), dtype=self.dtype, device=self.device)
             for layer in range(self.num_layers):
-                for kv, buf in enumerate(self.layer_buffers(layer)):  # buf: [heads, slots, dim]
-                    staged[:, kv].copy_(buf.index_select(1, idx).transpose(0, 1))
+                self.gather_layer(layer, idx, staged)
                 for a, seg, row, n in runs:
                     self.segments.get(seg)[layer, row:row + n].copy_(staged[a:a + n], non_blocking=True)
 
@@ -197,21 +204,18 @@ class HostKVPool:
             for layer in range(self.num_layers):
                 for a, seg, row, n in runs:
                     staged[a:a + n].copy_(self.segments.get(seg)[layer, row:row + n])
-                for kv, buf in enumerate(self.layer_buffers(layer)):
-                    buf.index_copy_(1, idx, staged[:, kv].transpose(0, 1))
+                self.scatter_layer(layer, idx, staged)
 
     # ---- the disk tier: its blocks are token-major, [n, layers, 2, heads, dim] per token ---------
 
     def _gather(self, device_slots: list[int]) -> torch.Tensor:
         """The KV of `device_slots` on the device, token-major."""
-        if self.cuda:
-            self._after_loads()
+        self._after_loads()
         idx = self.index(device_slots)
         out = torch.empty((len(device_slots), self.num_layers, *self.layer_shape), dtype=self.dtype,
                           device=self.device)
         for layer in range(self.num_layers):
-            for kv, buf in enumerate(self.layer_buffers(layer)):
-                out[:, layer, kv].copy_(buf.index_select(1, idx).transpose(0, 1))
+            self.gather_layer(layer, idx, out[:, layer])
         return out
 
     def read_tokens(self, device_slots: list[int]) -> bytes:
@@ -221,17 +225,15 @@ class HostKVPool:
     def staging(self, nbytes: int) -> memoryview:
         """A host buffer (pinned on CUDA) for disk blocks on their way to the device, at least
         `nbytes` long; made on first use, and handed out again once its last upload is done."""
+        if self._staging_done is not None:
+            self._staging_done.synchronize()
+            self._staging_done = None
         if self._staging is None or self._staging.numel() < nbytes:
-            if self._staging_done is not None:
-                self._staging_done.synchronize()
             if self._staging_segments is not None:
                 self._staging_segments.close()
             self._staging_segments = HostSegments(1, lambda _: (max(nbytes, STAGING_BYTES),), torch.uint8,
                                                   pinned=self.cuda)
             self._staging = self._staging_segments.get(0)
-        elif self._staging_done is not None:
-            self._staging_done.synchronize()
-        self._staging_done = None
         return memoryview(self._staging.numpy())[:nbytes]
 
     def upload_tokens(self, device_slots: list[int], offset: int) -> None:
@@ -242,11 +244,10 @@ class HostKVPool:
         if self.cuda:
             self._staging_done = torch.cuda.Event()
             self._staging_done.record()
-            self._after_loads()
+        self._after_loads()
         idx = self.index(device_slots)
         for layer in range(self.num_layers):
-            for kv, buf in enumerate(self.layer_buffers(layer)):
-                buf.index_copy_(1, idx, data[:, layer, kv].transpose(0, 1))
+            self.scatter_layer(layer, idx, data[:, layer])
 
 
 def host_tier_tokens(bytes_per_token: int, tokens: int | None, size_bytes: int | None) -> int:

@@ -80,8 +80,7 @@ class LayerLoads:
             idx = self.chunks[c][0]
             staged = self.ring[k % len(self.ring)]
             self.compute.wait_event(self.copied[k])
-            for kv, buf in enumerate(host.layer_buffers(unit_layer)):
-                buf.index_copy_(1, idx, staged[:len(idx), kv].transpose(0, 1))
+            host.scatter_layer(unit_layer, idx, staged[:len(idx)])
             freed = torch.cuda.Event()
             freed.record(self.compute)
             self.freed[k % len(self.ring)] = freed
