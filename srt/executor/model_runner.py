@@ -59,12 +59,21 @@ class ModelRunner:
         self.model.to(device=self.device, dtype=self.dtype).eval()
         # --quantization fp8, or an FP8 checkpoint: projections in FP8
         apply_quantization(self.model, args.model.quantization, self.device, loaded.fp8_scales, self.kernels)
+        self.deterministic = args.executor.enable_deterministic_inference
+        if self.deterministic:
+            from .batch_invariant import check_deterministic_settings, make_batch_invariant
+
+            check_deterministic_settings(args)
+
+            make_batch_invariant(self.model, self.device)
         local = self.model.config  # this rank's heads under tensor parallelism
         kv_dtype = kv_cache_torch_dtype(args.model.kv_cache_dtype, self.dtype)  # --kv-cache-dtype fp8_e4m3: FP8
         self.kv_pool = KVPool(num_kv_slots, cfg.num_layers, local.num_kv_heads, cfg.head_dim, kv_dtype, self.device,
                               pdl=self.kernels.pdl)
         self.attention_backend_name = resolve_attention_backend(args.executor.attention_backend, self.device,
                                                                 self.dtype)
+        if self.deterministic:
+            self.attention_backend_name = "deterministic"
         self.attn_backend = self._make_backend(req_to_token)
         self.graph_runner = self._make_graph_runner(req_to_token)
         self.step_sender = None
@@ -82,6 +91,11 @@ class ModelRunner:
         layers = layer_specs(cfg.sliding_windows, cfg.num_layers, cfg.attn_logit_softcap,
                              self.args.model.context_length or cfg.context_len)
         cascade = not self.args.executor.disable_cascade_attention
+        if self.deterministic:
+            from .attention.deterministic import DeterministicBackend
+
+            check_backend_supports(DeterministicBackend, layers, cfg.architecture)
+            return DeterministicBackend(self.kv_pool, req_to_token, cfg.attention_scale, layers)
         if self.attention_backend_name == "torch_native":
             from .attention.torch_native import TorchNativeBackend
 

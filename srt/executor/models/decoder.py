@@ -92,6 +92,7 @@ class CausalLM(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(config, i, family, ops, tp) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops, family.norm_offset)
         self.lm_head = None if config.tie_word_embeddings else Linear(config.hidden_size, vocab_rows, bias=False)
+        self.head_linear = F.linear  # the LM head's product (batch_invariant.py may replace it)
         self.rotaries, self.rotary_of_layer = self._make_rotaries(config, hf_config)
 
     def _make_rotaries(self, config: ModelConfig, hf_config: Any) -> tuple[nn.ModuleList, list[int]]:
@@ -116,7 +117,7 @@ class CausalLM(nn.Module):
         if logit_rows is not None:
             x, residual = x[logit_rows], residual[logit_rows]
         x, _ = self.norm.forward_add(x, residual)
-        logits = F.linear(x, self.lm_head_weight).float()
+        logits = self.head_linear(x, self.lm_head_weight).float()
         if self.tp.enabled:  # each rank has a block of the vocabulary; the last block is padded
             logits = self.tp.all_gather_last(logits)[:, :self.vocab_size]
         cap = self.config.final_logit_softcap

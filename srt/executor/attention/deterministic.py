@@ -1,0 +1,150 @@
+"""Attention whose result for a query does not depend on the batch, on how the prompt was split
+into chunks, or on whether its prefix came from the cache (--enable-deterministic-inference).
+
+Every query, in a decode step or in a prefill chunk of any size, sums over its keys in the same
+order: keys in fixed blocks of KEY_BLOCK positions aligned to position 0 (block j holds
+positions [j*KEY_BLOCK, (j+1)*KEY_BLOCK)); the scores and the weighted values of each block come
+from products of one shape (query rows padded to a multiple of 4, batch_invariant.py says why);
+the softmax subtracts the query's max over all its keys (exact in any order); and the blocks'
+sums are added in position order. A key the query may not see (after it, outside its window,
+past a shorter companion's end) enters with weight exactly 0, so padding and blocks of unseen
+keys change no bit. K and V are always read back from the pool, so a prefix computed now and one cached by an
+earlier request are the same numbers (an FP8 pool's rounding included).
+
+Plain torch, any device; cost against the SDPA backend: bench_deterministic.py.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from ..batch_invariant import pad_rows
+from ..forward_batch import ForwardBatch
+from ..mem_pool import KVPool, read_kv
+from .base import AttentionBackend
+from .layer_spec import LOGIT_SOFTCAP, SLIDING_WINDOW, LayerAttention
+
+KEY_BLOCK = 128
+QUERY_TILE = 256  # an extend's queries attended at once: bounds the scores' memory, skips blocks ahead
+
+
+class DeterministicBackend(AttentionBackend):
+    SUPPORTED_FEATURES = frozenset({SLIDING_WINDOW, LOGIT_SOFTCAP})
+
+    def __init__(self, kv_pool: KVPool, req_to_token: torch.Tensor, scale: float,
+                 layers: Sequence[LayerAttention] | None = None):
+        """req_to_token: the host table (ReqToTokenTable.table, viewed as a tensor)."""
+        self.kv_pool = kv_pool
+        self.req_to_token = req_to_token
+        self.scale = scale
+        self.layers = list(layers) if layers is not None else [LayerAttention()] * len(kv_pool.k_buffers)
+        self._batch: ForwardBatch | None = None
+        self._groups: list[_Group] = []
+
+    def plan(self, batch: ForwardBatch) -> None:
+        """One-token requests attend as one group; longer extends one group each."""
+        self._batch = batch
+        starts = [0]
+        for n in batch.extend_lens_cpu:
+            starts.append(starts[-1] + n)
+        single = [i for i, n in enumerate(batch.extend_lens_cpu) if n == 1]
+        longer = [i for i, n in enumerate(batch.extend_lens_cpu) if n > 1]
+        groups = [[i] for i in longer] + ([single] if single else [])
+        self._groups = [_Group.build(batch, members, starts, self.req_to_token) for members in groups]
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int) -> torch.Tensor:
+        pool = self.kv_pool
+        pool.store(layer_id, self._batch.out_cache_loc, k, v)
+        spec = self.layers[layer_id]
+        out = q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
+        for group in self._groups:
+            out[group.token_rows] = group.attend(q, pool.k_buffers[layer_id], pool.v_buffers[layer_id],
+                                                 (pool.k_scale, pool.v_scale), self.scale, spec)
+        return out
+
+
+class _Group:
+    """R requests with n new tokens each: their query rows, positions and key slots."""
+
+    def __init__(self, token_rows: torch.Tensor, positions: torch.Tensor, key_slots: torch.Tensor,
+                 prefix_range: tuple[int, int]):
+        self.token_rows = token_rows  # [R * n] rows of this forward, request-major
+        self.positions = positions  # [R, n] each query's position
+        self.prefix_range = prefix_range  # the shortest and longest prefix (host ints: no device sync)
+        self.key_slots = key_slots  # [R, blocks * KEY_BLOCK]; past a request's end, its first slot
+
+    @classmethod
+    def build(cls, batch: ForwardBatch, members: list[int], starts: list[int], req_to_token: torch.Tensor) -> "_Group":
+        device = batch.seq_lens.device
+        n = batch.extend_lens_cpu[members[0]]
+        rows = torch.tensor([starts[i] + t for i in members for t in range(n)])
+        prefixes = torch.tensor([batch.prefix_lens_cpu[i] for i in members])
+        positions = prefixes[:, None] + torch.arange(n)[None, :]
+        seq_lens = [batch.seq_lens_cpu[i] for i in members]
+        width = -(-max(seq_lens) // KEY_BLOCK) * KEY_BLOCK
+        table_rows = torch.tensor([batch.req_pool_indices_cpu[i] for i in members])
+        cols = torch.arange(width)[None, :].expand(len(members), width)
+        inside = cols < torch.tensor(seq_lens)[:, None]
+        slots = req_to_token[table_rows[:, None], torch.where(inside, cols, 0)]
+        return cls(rows.to(device), positions.to(device), slots.to(device), (int(prefixes.min()), int(prefixes.max())))
+
+    def attend(self, q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, kv_scales: tuple[float, float],
+               scale: float, spec: LayerAttention) -> torch.Tensor:
+        num_reqs, n = self.positions.shape
+        num_heads, head_dim = q.shape[1], q.shape[2]
+        num_kv_heads = k_buf.shape[0]
+        group = num_heads // num_kv_heads
+        # Each KV head's queries as rows: [R, Hkv, group, n, D].
+        queries = q[self.token_rows].view(num_reqs, n, num_kv_heads, group, head_dim).permute(0, 2, 3, 1, 4)
+        out = torch.empty(num_reqs, num_kv_heads, group, n, head_dim, dtype=torch.float32, device=q.device)
+        for t0 in range(0, n, QUERY_TILE):
+            t1 = min(n, t0 + QUERY_TILE)
+            span = (self.prefix_range[0] + t0, self.prefix_range[1] + t1 - 1)  # the tile's first and last position
+            out[:, :, :, t0:t1] = self._attend_tile(queries[:, :, :, t0:t1], self.positions[:, t0:t1], span, k_buf,
+                                                    v_buf, kv_scales, scale, spec)
+        # [R, Hkv, group, n, D] -> [R * n, H * D]
+        return out.permute(0, 3, 1, 2, 4).reshape(num_reqs * n, num_heads * head_dim).to(q.dtype)
+
+    def _attend_tile(self, queries: torch.Tensor, positions: torch.Tensor, span: tuple[int, int], k_buf: torch.Tensor,
+                     v_buf: torch.Tensor, kv_scales: tuple[float, float], scale: float,
+                     spec: LayerAttention) -> torch.Tensor:
+        """queries [R, Hkv, group, rows, D] at `positions` [R, rows] -> [R, Hkv, group, rows, D]
+        in float32, over every key block any of them sees."""
+        num_reqs, num_kv_heads, group, rows, head_dim = queries.shape
+        f32 = torch.float32
+        first = 0
+        if spec.sliding_window is not None:
+            first = max(0, span[0] - spec.sliding_window + 1) // KEY_BLOCK * KEY_BLOCK
+        end = (span[1] // KEY_BLOCK + 1) * KEY_BLOCK
+        blocks = (end - first) // KEY_BLOCK
+        slots = self.key_slots[:, first:end].reshape(-1)
+        shape = (num_kv_heads, num_reqs, blocks, KEY_BLOCK, head_dim)
+        keys = read_kv(k_buf, slots, f32, kv_scales[0]).view(shape).transpose(0, 1)  # [R, Hkv, blocks, KB, D]
+        values = read_kv(v_buf, slots, f32, kv_scales[1]).view(shape).transpose(0, 1)
+        flat_q = pad_rows(queries.reshape(num_reqs, num_kv_heads, group * rows, head_dim).to(f32), 2)
+        # One product per key block: [R, Hkv, blocks, rows', KB], each of the same shape.
+        scores = torch.matmul(flat_q[:, :, None], keys.transpose(-1, -2))[..., :group * rows, :]
+        scores = scores.reshape(num_reqs, num_kv_heads, blocks, group, rows, KEY_BLOCK) * scale
+        if spec.logit_softcap is not None:
+            scores = torch.tanh(scores / spec.logit_softcap) * spec.logit_softcap
+        key_pos = torch.arange(first, end, device=queries.device).view(blocks, 1, KEY_BLOCK)
+        query_pos = positions[:, None, :, None]  # [R, 1, rows, 1]
+        seen = key_pos <= query_pos  # [R, blocks, rows, KB]
+        if spec.sliding_window is not None:
+            seen &= key_pos > query_pos - spec.sliding_window
+        scores = scores.masked_fill(~seen[:, None, :, None], float("-inf"))
+        # The max is exact in any order; every query sees at least its own key.
+        top = scores.amax(dim=(2, 5), keepdim=True)
+        weights = torch.exp(scores - top)
+        # Sums over blocks run in position order (a scan), so blocks of zeros before or after
+        # a query's keys change nothing.
+        totals = weights.sum(dim=-1).cumsum(dim=2)[:, :, -1]  # [R, Hkv, group, rows]
+        flat_w = pad_rows(weights.reshape(num_reqs, num_kv_heads, blocks, group * rows, KEY_BLOCK), 3)
+        products = torch.matmul(flat_w, values)  # [R, Hkv, blocks, rows padded, D]
+        acc = products[:, :, 0].clone()
+        for block in range(1, blocks):
+            acc += products[:, :, block]
+        acc = acc[:, :, :group * rows].view(num_reqs, num_kv_heads, group, rows, head_dim)
+        return acc / totals[..., None]

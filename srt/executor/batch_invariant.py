@@ -1,0 +1,109 @@
+"""Projections whose every row comes out the same whatever else is in the batch
+(--enable-deterministic-inference).
+
+A GEMM sums each output over K in an order the library picks from the matrix shapes. On CPU
+(torch 2.13, x86-64), measured row by row against the same row inside a 64-row product:
+- MKL's sgemm (what F.linear calls in float32) sums a row in another order when a call, or one
+  thread's share of it, has 1 to 3 rows: with 2 threads rows differed at 1-3, 5-7 and 9-11 rows,
+  never at a multiple of 4 (1 to 16 threads, K 64-1536, N 64-49152). Padding to 4 rows makes it
+  invariant, but MKL's 4-row GEMM is 1.5-3x slower than its 1-row GEMV (it packs the weight on
+  every call), which made batch-1 decode 1.56x slower.
+- oneDNN's linear over a weight packed once (torch.ops.mkldnn._linear_pointwise, what
+  torch.compile uses on CPU) differs only at 1 row, in float32 and bfloat16, for 1 to 16
+  threads; at 2 rows it costs about what the GEMV does (the LM head less: 6.4 against 11.1 ms).
+So on CPU each projection keeps a oneDNN-packed copy of its weight and a single row is padded
+to 2. The attention's batched products run through MKL and pad to 4 (pad_rows).
+On CUDA the projections are to run in our own GEMM of one configuration
+(batch_invariant_gemm.py); the flag is refused there until the GPU tests have passed on a GPU.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .models.layers import is_plain_linear
+from .models.moe import SparseMoE
+
+ROW_MULTIPLE = 4  # MKL's products: rows padded to a multiple of this (attention/deterministic.py)
+MIN_ROWS = 2  # oneDNN's packed linear: a single row padded to this
+
+
+def pad_rows(x: torch.Tensor, dim: int = 0, multiple: int = ROW_MULTIPLE) -> torch.Tensor:
+    """`x` with zero rows appended along `dim` up to a multiple of `multiple`."""
+    pad = -x.shape[dim] % multiple
+    if not pad:
+        return x
+    shape = list(x.shape)
+    shape[dim] = pad
+    return torch.cat([x, x.new_zeros(shape)], dim=dim)
+
+
+class PackedLinear:
+    """x @ weight^T (+ bias) through oneDNN, the weight packed once; every row the same bits
+    whatever the number of rows ([rows, in] -> [rows, out])."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 1)
+        self.bias = None if bias is None else bias.detach()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.shape[0]
+        if rows < MIN_ROWS:
+            x = pad_rows(x, multiple=MIN_ROWS)
+        out = torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, self.bias, "none", [], "")
+        return out if rows >= MIN_ROWS else out[:rows]
+
+
+def check_deterministic_settings(args) -> None:
+    """Refuses, by name, what would make a request's answer depend on its batch again: the
+    tensor-parallel all-reduce (its algorithm, and so its order, follows the message size) and
+    speculative decoding (drafts, and with sampling the accepted tokens, follow the batch)."""
+    name = "enable_deterministic_inference"
+    if args.parallel.tp_size > 1:
+        raise ValueError(f"{name}: not implemented with tp_size {args.parallel.tp_size} (the all-reduce's "
+                         "summation order follows the batch)")
+    if args.speculative.speculative_algorithm is not None:
+        raise ValueError(f"{name}: not implemented with speculative_algorithm "
+                         f"{args.speculative.speculative_algorithm}")
+
+
+class InvariantLinear(nn.Module):
+    """A loaded projection (its weight and bias, shared) computed by PackedLinear."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        self.weight, self.bias = linear.weight, linear.bias
+        self.product = PackedLinear(linear.weight, linear.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.product(x)
+
+
+def make_batch_invariant(model: nn.Module, device: torch.device) -> int:
+    """Makes every projection of a loaded model batch-invariant, the LM head included; returns
+    how many were replaced. Raises ValueError naming what cannot be: a device or build without
+    the kernels, layers that are not plain projections (FP8, mixture-of-experts)."""
+    name = "enable_deterministic_inference"
+    if device.type != "cpu":
+        # The CUDA projections are written (batch_invariant_gemm.py) but the whole path has not
+        # yet run on a GPU: tests/test_gpu_deterministic.py must pass there before it is offered.
+        raise ValueError(f"{name}: not implemented on {device.type} yet (CPU is)")
+    if not torch.backends.mkldnn.is_available():
+        raise ValueError(f"{name}: needs a torch build with oneDNN (mkldnn) on CPU")
+    if any(p.element_size() == 1 for p in model.parameters()):
+        raise ValueError(f"{name}: FP8 weights are not batch-invariant yet")
+    for module_name, module in model.named_modules():
+        if isinstance(module, SparseMoE):
+            raise ValueError(f"{name}: mixture-of-experts layers ({module_name}) are not batch-invariant yet")
+        if isinstance(module, nn.Linear) and not is_plain_linear(module):
+            raise ValueError(f"{name}: {module_name} ({type(module).__name__}) has no batch-invariant version")
+    replaced = 0
+    for parent in list(model.modules()):
+        for child_name, child in list(parent.named_children()):
+            if is_plain_linear(child):
+                setattr(parent, child_name, InvariantLinear(child))
+                replaced += 1
+    head = PackedLinear(model.lm_head_weight)
+    model.head_linear = lambda x, weight: head(x)  # `weight` is the one packed into `head`
+    return replaced
