@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from .core.request import Req
-from .intake import Intake
+from .intake import Intake, deterministic_seed
 from .io_struct import TokenizedGenerateReq
 from .results import LogprobRecord, Progress, final_text, result
 from .server_args import ServerArgs
@@ -46,7 +46,8 @@ class Engine:
                 parallel.shutdown()
                 torch.set_num_threads(self._threads)
             raise
-        self.intake = Intake(self.tokenizer, self.model_config.vocab_size, self.scheduler.context_len)
+        self.intake = Intake(self.tokenizer, self.model_config.vocab_size, self.scheduler.context_len,
+                             deterministic_seed(args))
 
     def generate(
         self,

@@ -66,6 +66,12 @@ def check_cache_salt(cache_salt: Any) -> str | None:
     return cache_salt
 
 
+def deterministic_seed(args: Any) -> int | None:
+    """The seed of requests that name none: --random-seed under --enable-deterministic-inference,
+    else none (each such request samples freshly)."""
+    return args.model.random_seed if args.executor.enable_deterministic_inference else None
+
+
 def _is_int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
@@ -73,10 +79,13 @@ def _is_int(x: Any) -> bool:
 class Intake:
     """Validates requests against one model (its tokenizer, vocabulary and context length)."""
 
-    def __init__(self, tokenizer: Any, vocab_size: int, context_len: int):
+    def __init__(self, tokenizer: Any, vocab_size: int, context_len: int, default_seed: int | None = None):
+        """default_seed: the seed of a request that names none (--enable-deterministic-inference
+        gives every request one, so that the same request gets the same answer)."""
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.context_len = context_len
+        self.default_seed = default_seed
 
     def prompt_ids(self, text: Any = None, input_ids: Any = None, *, text_field: str = "text",
                    ids_field: str = "input_ids") -> list[int]:
@@ -105,6 +114,8 @@ class Intake:
         """Validated parameters with max_new_tokens clamped to the context the prompt leaves (as
         SGLang does): a request asking for 10**9 tokens reserves no more than it can use."""
         sp = SamplingParams.from_dict(params, vocab_size=self.vocab_size)
+        if sp.seed is None and self.default_seed is not None:
+            sp = dataclasses.replace(sp, seed=self.default_seed)
         for name in _BOUNDED_INT_FIELDS:
             if getattr(sp, name) > _INT64_MAX:
                 raise ValueError(f"sampling_params.{name}: must be at most {_INT64_MAX}")

@@ -137,6 +137,7 @@ def _launch(args: ServerArgs, sock: Any) -> int:
     from .server.http_server import ServerState, create_app
     from .server.lifecycle import Server
     from .server.openai_api import register_openai_routes
+    from .intake import deterministic_seed
     from .server.tokenizer_manager import TokenizerManager
 
     args = args.replace(**info["device_defaults"])
@@ -144,7 +145,8 @@ def _launch(args: ServerArgs, sock: Any) -> int:
     model_name = args.api.served_model_name or (args.model.model_path or "default")
     tm = TokenizerManager(meta.tokenizer, meta.config, info["context_len"], children.addr("scheduler"),
                           children.addr("tokenizer"),
-                          max_in_flight=args.scheduler.max_running_requests + args.scheduler.max_queued_requests)
+                          max_in_flight=args.scheduler.max_running_requests + args.scheduler.max_queued_requests,
+                          default_seed=deterministic_seed(args))
     state = ServerState(tm, args.model.model_path or meta.model_path, args.to_dict(), warm=False)
     app = create_app(state, args.http.api_key, args.http.max_request_bytes, args.http.rate_limit_rpm,
                      args.api.incremental_streaming_output)

@@ -77,7 +77,8 @@ class DeviceEngine:
         self.overlap = self.device.type == "cuda" and not args.scheduler.disable_overlap_schedule
         self.last_tokens = torch.zeros(args.scheduler.max_running_requests, dtype=torch.int64, device=self.device)
         self._transfer = TokenTransfer(self.device)
-        self._streams = SeededStreams(self.device)  # per-request device state: seeded random streams
+        # Per-request device state: seeded random streams.
+        self._streams = SeededStreams(self.device, per_position=args.executor.enable_deterministic_inference)
 
     # ---- the hierarchical cache's copies (scheduler/kv_tiers.py asks for them) ----------------
 

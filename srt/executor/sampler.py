@@ -19,15 +19,21 @@ class SamplingRequest(Protocol):
     sampling_params: SamplingParams
     origin_input_ids: list[int]
     output_ids: list[int]
+    total_len: int  # the position of the token the next draw samples
 
 
 class SeededStreams:
     """The random stream of each seeded request, made from its seed on first use and kept by
     the engine for as long as the policy keeps the request's record (a weak key: nothing to
-    release when it finishes). A seeded request is reproducible whatever its batch."""
+    release when it finishes). A seeded request is reproducible whatever its batch.
 
-    def __init__(self, device: torch.device | str):
+    per_position (--enable-deterministic-inference): the stream is re-seeded before each draw
+    from (seed, position of the token drawn), so a token depends on nothing but the request,
+    not on how many draws came before it (a retraction, a speculative step)."""
+
+    def __init__(self, device: torch.device | str, per_position: bool = False):
         self.device = device
+        self.per_position = per_position
         self._streams: weakref.WeakKeyDictionary[Any, torch.Generator] = weakref.WeakKeyDictionary()
 
     def get(self, req: SamplingRequest) -> torch.Generator | None:
@@ -37,7 +43,15 @@ class SeededStreams:
         stream = self._streams.get(req)
         if stream is None:
             stream = self._streams[req] = make_generator(seed, self.device)
+        if self.per_position:
+            stream.manual_seed(position_seed(seed, req.total_len))
         return stream
+
+
+def position_seed(seed: int, position: int) -> int:
+    """A 64-bit seed for one (request seed, token position) pair: two LCG multipliers, so that
+    neighbouring seeds and neighbouring positions land far apart."""
+    return (seed * 6364136223846793005 + (position + 1) * 1442695040888963407) % 2**64
 
 
 def apply_penalties(logits: torch.Tensor, reqs: Sequence[SamplingRequest], eos_ids: Sequence[int]) -> None:

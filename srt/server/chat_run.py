@@ -82,6 +82,8 @@ def _samples(tm: TokenizerManager, body: ChatCompletionRequest, renames: dict[st
     if stop:
         existing = params.get("stop") or []
         params["stop"] = ([existing] if isinstance(existing, str) else list(existing)) + list(stop)
+    if seed_offset and params.get("seed") is None:
+        params["seed"] = tm.intake.default_seed
     if seed_offset and params.get("seed") is not None:
         params["seed"] += seed_offset
     return samples(tm, ids, params, renames, return_logprob=body.logprobs, top_logprobs_num=body.top_logprobs or 0,

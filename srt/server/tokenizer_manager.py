@@ -107,11 +107,12 @@ class RequestStream:
 
 class TokenizerManager:
     def __init__(self, tokenizer: Any, model_config: Any, context_len: int, scheduler_addr: str,
-                 recv_addr: str, metrics: Metrics | None = None, max_in_flight: int | None = None):
+                 recv_addr: str, metrics: Metrics | None = None, max_in_flight: int | None = None,
+                 default_seed: int | None = None):
         self.tokenizer = tokenizer
         self.model_config = model_config
         self.context_len = context_len
-        self.intake = Intake(tokenizer, model_config.vocab_size, context_len)
+        self.intake = Intake(tokenizer, model_config.vocab_size, context_len, default_seed)
         self.metrics = metrics or Metrics()
         # Running plus waiting requests the server holds at most; beyond it requests get 429.
         self.max_in_flight = max_in_flight
