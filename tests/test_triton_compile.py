@@ -18,6 +18,7 @@ triton = pytest.importorskip("triton")
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
+from radixlm.srt.executor import batch_invariant_gemm  # noqa: E402
 from radixlm.srt.executor.attention import triton_decode  # noqa: E402
 from radixlm.srt.executor.models import moe_triton, triton_ops  # noqa: E402
 from radixlm.srt.executor.quantization import fp8_gemv, fp8_triton  # noqa: E402
@@ -69,6 +70,8 @@ CASES = [
       "BLOCK_T": 64, "NUM_SPLITS": 1, "V_PAIRS": False, "PTX": True, "PDL": True}, 4),
     (triton_decode._merge_kernel, {"part_out_ptr": "*fp32", "part_lse_ptr": "*fp32"},
      {"NUM_Q_HEADS": 32, "HEAD_DIM": 128, "NUM_SPLITS": 16, "PDL": True}, 4),
+    (batch_invariant_gemm._gemm_kernel, {}, {"HAS_BIAS": True, "BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64,
+                                             "GROUP_M": 8}, 4),
     (moe_triton._grouped_gemm_kernel, {"pair_ptr": "*i32", "expert_ptr": "*i32", "weight_ptr": "*fp32"},
      {"A_ROW_DIV": 2, "MUL_WEIGHT": False, "BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64}, 4),
 ]
