@@ -129,6 +129,27 @@ def test_without_the_flag_a_cached_prefix_changes_the_logprobs(engine):
     assert len({cases["decoded prefix cached"], cases["decoded prefix cold"]}) == 2
 
 
+def test_requests_sharing_a_cached_prefix_do_not_change_the_answer(det_engine):
+    """Six questions after one cached 600-token prefix decode together, reading its KV blocks
+    once for all six (attention/deterministic.py, _SharedBlocks); each answer is the one it
+    gets alone and cold."""
+    prefix = _long_prefix(det_engine)[:600]
+    prompts = [prefix + det_engine.tokenizer.encode(f" Question {i}: how much does item{i} weigh? Answer:")
+               for i in range(6)]
+    options = {"sampling_params": GREEDY, "return_logprob": True, "logprob_start_len": len(prefix)}
+    alone = []
+    for prompt in prompts[:2]:
+        det_engine.flush_cache()
+        alone.append(det_engine.generate(input_ids=prompt, **options)["meta_info"])
+    det_engine.flush_cache()
+    det_engine.generate(input_ids=prefix, sampling_params={"max_new_tokens": 1})
+    together = det_engine.generate(input_ids=prompts, **options)
+    for meta, result in zip(alone, together):
+        assert result["meta_info"]["cached_tokens"] >= 512
+        for key in ("output_token_logprobs", "input_token_logprobs"):
+            assert result["meta_info"][key] == meta[key]
+
+
 def _loglikelihoods(engine: Engine, batch_size: int) -> list[tuple]:
     """An lm-evaluation-harness-style run: 32 few-shot contexts with a continuation each, the
     continuation's token logprobs scored in batches of `batch_size`."""

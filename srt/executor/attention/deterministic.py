@@ -69,11 +69,12 @@ class _Group:
     """R requests with n new tokens each: their query rows, positions and key slots."""
 
     def __init__(self, token_rows: torch.Tensor, positions: torch.Tensor, key_slots: torch.Tensor,
-                 prefix_range: tuple[int, int]):
+                 prefix_range: tuple[int, int], shared: "_SharedBlocks | None" = None):
         self.token_rows = token_rows  # [R * n] rows of this forward, request-major
         self.positions = positions  # [R, n] each query's position
         self.prefix_range = prefix_range  # the shortest and longest prefix (host ints: no device sync)
         self.key_slots = key_slots  # [R, blocks * KEY_BLOCK]; past a request's end, its first slot
+        self.shared = shared  # one-token requests whose blocks the radix cache shares
 
     @classmethod
     def build(cls, batch: ForwardBatch, members: list[int], starts: list[int], req_to_token: torch.Tensor) -> "_Group":
@@ -88,7 +89,9 @@ class _Group:
         cols = torch.arange(width)[None, :].expand(len(members), width)
         inside = cols < torch.tensor(seq_lens)[:, None]
         slots = req_to_token[table_rows[:, None], torch.where(inside, cols, 0)]
-        return cls(rows.to(device), positions.to(device), slots.to(device), (int(prefixes.min()), int(prefixes.max())))
+        shared = _SharedBlocks.build(slots, positions[:, 0], device) if n == 1 and len(members) > 1 else None
+        return cls(rows.to(device), positions.to(device), slots.to(device), (int(prefixes.min()), int(prefixes.max())),
+                   shared)
 
     def attend(self, q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, kv_scales: tuple[float, float],
                scale: float, spec: LayerAttention) -> torch.Tensor:
@@ -98,6 +101,9 @@ class _Group:
         group = num_heads // num_kv_heads
         # Each KV head's queries as rows: [R, Hkv, group, n, D].
         queries = q[self.token_rows].view(num_reqs, n, num_kv_heads, group, head_dim).permute(0, 2, 3, 1, 4)
+        if self.shared is not None:
+            out = self.shared.attend(queries[:, :, :, 0], k_buf, v_buf, kv_scales, scale, spec)
+            return out.reshape(num_reqs, num_heads * head_dim).to(q.dtype)
         out = torch.empty(num_reqs, num_kv_heads, group, n, head_dim, dtype=torch.float32, device=q.device)
         for t0 in range(0, n, QUERY_TILE):
             t1 = min(n, t0 + QUERY_TILE)
@@ -147,4 +153,92 @@ class _Group:
         for block in range(1, blocks):
             acc += products[:, :, block]
         acc = acc[:, :, :group * rows].view(num_reqs, num_kv_heads, group, rows, head_dim)
+        return acc / totals[..., None]
+
+
+class _SharedBlocks:
+    """Decode attention for requests whose key blocks the radix cache shares (few-shot
+    examples, a system prompt, the trunk of a fork: the very same KV slots). Each distinct
+    block is read once, and its products take the queries of every request that holds it as
+    rows of one product. A product's rows do not depend on each other, and each (request,
+    block) pair's sums come out as in _Group._attend_tile, which then adds them in position
+    order the same way, so the answer is the same bits as reading the block per request.
+
+    Blocks are bucketed by how many requests hold them (1, 2, 3-4, 5-8, ...), each bucket's
+    member lists padded to its largest with a row that sees nothing."""
+
+    def __init__(self, buckets: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], positions: torch.Tensor,
+                 num_blocks: int):
+        self.buckets = buckets  # (members [u, C] (R = padding), block index [u], slots [u, KEY_BLOCK])
+        self.positions = positions  # [R + 1]: each request's query position, and -1 for the padding row
+        self.num_blocks = num_blocks
+
+    @classmethod
+    def build(cls, slots: torch.Tensor, positions: torch.Tensor, device: torch.device) -> "_SharedBlocks | None":
+        """slots: [R, blocks * KEY_BLOCK] host slots; None when no two requests share a block."""
+        num_reqs, width = slots.shape
+        num_blocks = width // KEY_BLOCK
+        blocks = slots.view(num_reqs, num_blocks, KEY_BLOCK)
+        by_size: dict[int, list[tuple[list[int], int]]] = {}
+        distinct = 0
+        for block in range(num_blocks):
+            _, owner = torch.unique(blocks[:, block], dim=0, return_inverse=True)
+            for holder in range(int(owner.max()) + 1):
+                members = (owner == holder).nonzero()[:, 0].tolist()
+                size = 1 << (len(members) - 1).bit_length()  # 1, 2, 4, 8, ...
+                by_size.setdefault(size, []).append((members, block))
+                distinct += 1
+        if distinct == num_reqs * num_blocks:
+            return None
+        buckets = []
+        for size, entries in sorted(by_size.items()):
+            members = torch.tensor([m + [num_reqs] * (size - len(m)) for m, _ in entries])
+            index = torch.tensor([block for _, block in entries])
+            block_slots = blocks[torch.tensor([m[0] for m, _ in entries]), index]
+            buckets.append((members.to(device), index.to(device), block_slots.to(device)))
+        padded = torch.cat([positions, torch.tensor([-1])])
+        return cls(buckets, padded.to(device), num_blocks)
+
+    def attend(self, queries: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, kv_scales: tuple[float, float],
+               scale: float, spec: LayerAttention) -> torch.Tensor:
+        """queries [R, Hkv, group, D] -> [R, Hkv, group, D] in float32."""
+        num_reqs, num_kv_heads, group, head_dim = queries.shape
+        f32 = torch.float32
+        padded_q = torch.cat([queries.to(f32), queries.new_zeros(1, num_kv_heads, group, head_dim, dtype=f32)])
+        block_top = torch.full((num_reqs + 1, self.num_blocks, num_kv_heads, group), float("-inf"), device=queries.device)
+        scored = []
+        for members, index, slots in self.buckets:
+            count, size = members.shape
+            rows = pad_rows(padded_q[members].permute(0, 2, 1, 3, 4).reshape(count, num_kv_heads, size * group,
+                                                                              head_dim), 2)
+            shape = (num_kv_heads, count, KEY_BLOCK, head_dim)
+            keys = read_kv(k_buf, slots.reshape(-1), f32, kv_scales[0]).view(shape).transpose(0, 1)
+            values = read_kv(v_buf, slots.reshape(-1), f32, kv_scales[1]).view(shape).transpose(0, 1)
+            scores = torch.matmul(rows, keys.transpose(-1, -2))[:, :, :size * group]
+            scores = scores.reshape(count, num_kv_heads, size, group, KEY_BLOCK) * scale
+            if spec.logit_softcap is not None:
+                scores = torch.tanh(scores / spec.logit_softcap) * spec.logit_softcap
+            key_pos = index[:, None, None] * KEY_BLOCK + torch.arange(KEY_BLOCK, device=index.device)  # [u, 1, KB]
+            query_pos = self.positions[members][:, :, None]  # [u, C, 1]
+            seen = key_pos <= query_pos
+            if spec.sliding_window is not None:
+                seen &= key_pos > query_pos - spec.sliding_window
+            scores = scores.masked_fill(~seen[:, None, :, None], float("-inf"))
+            block_top[members, index[:, None]] = scores.amax(dim=-1).transpose(1, 2)
+            scored.append((members, index, scores, values))
+        top = block_top.amax(dim=1)  # [R + 1, Hkv, group]: exact in any order
+        sums = torch.zeros(num_reqs + 1, self.num_blocks, num_kv_heads, group, device=queries.device)
+        products = torch.zeros(num_reqs + 1, self.num_blocks, num_kv_heads, group, head_dim, device=queries.device)
+        for members, index, scores, values in scored:
+            count, size = members.shape
+            weights = torch.exp(scores - top[members].transpose(1, 2)[..., None])
+            sums[members, index[:, None]] = weights.sum(dim=-1).transpose(1, 2)
+            flat = pad_rows(weights.reshape(count, num_kv_heads, size * group, KEY_BLOCK), 2)
+            out = torch.matmul(flat, values)[:, :, :size * group].view(count, num_kv_heads, size, group, head_dim)
+            products[members, index[:, None]] = out.transpose(1, 2)
+        # As _Group._attend_tile: block sums by a scan, weighted values added block by block.
+        totals = sums[:num_reqs].cumsum(dim=1)[:, -1]
+        acc = products[:num_reqs, 0].clone()
+        for block in range(1, self.num_blocks):
+            acc += products[:num_reqs, block]
         return acc / totals[..., None]
