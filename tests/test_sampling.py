@@ -19,6 +19,10 @@ class FakeReq:
     origin_input_ids: list[int] = field(default_factory=list)
     output_ids: list[int] = field(default_factory=list)
 
+    @property
+    def total_len(self) -> int:
+        return len(self.origin_input_ids) + len(self.output_ids)
+
 
 def _params(**kw):
     return SamplingParams.from_dict(kw)
@@ -76,6 +80,23 @@ def test_top_p_and_min_p_keep_only_the_nucleus():
         streams = SeededStreams("cpu")
         seen = {sample(logits.clone(), [req], streams).item() for _ in range(200)}
         assert seen <= allowed and len(seen) > 1
+
+
+def test_per_position_streams_draw_by_seed_and_position_only():
+    """--enable-deterministic-inference: a token depends on the request's seed and its position,
+    not on how many draws came before it (a retried step, a retraction)."""
+    logits = torch.zeros(1, 1000)
+    req = FakeReq(_params(temperature=1.0, seed=7), origin_input_ids=[1, 2, 3])
+    streams = SeededStreams("cpu", per_position=True)
+    first = sample(logits.clone(), [req], streams).item()
+    assert [sample(logits.clone(), [req], streams).item() for _ in range(3)] == [first] * 3
+    req.output_ids.append(first)  # the next position draws afresh
+    draws = {sample(logits.clone(), [req], streams).item() for _ in range(3)}
+    assert len(draws) == 1
+    other = FakeReq(_params(temperature=1.0, seed=8), origin_input_ids=[1, 2, 3])
+    assert sample(logits.clone(), [other], SeededStreams("cpu", per_position=True)).item() != first
+    plain = SeededStreams("cpu")  # without the flag the stream runs on
+    assert len({sample(logits.clone(), [req], plain).item() for _ in range(5)}) > 1
 
 
 def test_penalty_changes_generation(engine):
