@@ -1,18 +1,12 @@
 """Projections whose every row comes out the same whatever else is in the batch
 (--enable-deterministic-inference).
 
-A GEMM sums each output over K in an order the library picks from the matrix shapes. On CPU
-(torch 2.13, x86-64), measured row by row against the same row inside a 64-row product:
-- MKL's sgemm (what F.linear calls in float32) sums a row in another order when a call, or one
-  thread's share of it, has 1 to 3 rows: with 2 threads rows differed at 1-3, 5-7 and 9-11 rows,
-  never at a multiple of 4 (1 to 16 threads, K 64-1536, N 64-49152). Padding to 4 rows makes it
-  invariant, but MKL's 4-row GEMM is 1.5-3x slower than its 1-row GEMV (it packs the weight on
-  every call), which made batch-1 decode 1.56x slower.
-- oneDNN's linear over a weight packed once (torch.ops.mkldnn._linear_pointwise, what
-  torch.compile uses on CPU) differs only at 1 row, in float32 and bfloat16, for 1 to 16
-  threads; at 2 rows it costs about what the GEMV does (the LM head less: 6.4 against 11.1 ms).
-So on CPU each projection keeps a oneDNN-packed copy of its weight and a single row is padded
-to 2. The attention's batched products run through MKL and pad to 4 (pad_rows).
+A GEMM sums each output over K in an order the library picks from the matrix shapes. On CPU,
+oneDNN's linear over a weight packed once (torch.ops.mkldnn._linear_pointwise) gives a row the
+same bits at every row count but 1, so each projection keeps a oneDNN-packed copy of its weight
+and a single row is padded to 2. MKL's sgemm (F.linear) varies below 4 rows per thread, so the
+attention's batched products, which run through it, pad to 4 (pad_rows). The measurements, and
+the MKL-only variant that made decode slower, are in docs/deterministic.md.
 On CUDA the projections are to run in our own GEMM of one configuration
 (batch_invariant_gemm.py); the flag is refused there until the GPU tests have passed on a GPU.
 """
