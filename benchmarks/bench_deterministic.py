@@ -1,7 +1,7 @@
 """What --enable-deterministic-inference costs: the same workloads on an engine with the flag and
 on one without it (the baseline), both measured in this run, radix cache on in both.
 
-Workloads: offline throughput (vLLM's offline workload on a GPU: 1000 prompts of U[512, 1536]
+Workloads: offline throughput (on a GPU, gpu_workloads.offline_workload: 1000 prompts of U[512, 1536]
 tokens, U[128, 384] out; a scaled-down one on CPU), batch-1 decode ms/token, and shared-prefix
 throughput (groups of prompts sharing a long prefix). Prints one JSON line per engine and
 workload, and one ratio line per workload (flag / baseline; > 1 is faster for throughput).
