@@ -132,26 +132,15 @@ class _Group:
         flat_q = pad_rows(queries.reshape(num_reqs, num_kv_heads, group * rows, head_dim).to(f32), 2)
         # One product per key block: [R, Hkv, blocks, rows', KB], each of the same shape.
         scores = torch.matmul(flat_q[:, :, None], keys.transpose(-1, -2))[..., :group * rows, :]
-        scores = scores.reshape(num_reqs, num_kv_heads, blocks, group, rows, KEY_BLOCK) * scale
-        if spec.logit_softcap is not None:
-            scores = torch.tanh(scores / spec.logit_softcap) * spec.logit_softcap
+        scores = scores.reshape(num_reqs, num_kv_heads, blocks, group, rows, KEY_BLOCK)
         key_pos = torch.arange(first, end, device=queries.device).view(blocks, 1, KEY_BLOCK)
-        query_pos = positions[:, None, :, None]  # [R, 1, rows, 1]
-        seen = key_pos <= query_pos  # [R, blocks, rows, KB]
-        if spec.sliding_window is not None:
-            seen &= key_pos > query_pos - spec.sliding_window
-        scores = scores.masked_fill(~seen[:, None, :, None], float("-inf"))
+        scores = _masked_scores(scores, key_pos, positions[:, None, :, None], scale, spec)  # seen: [R, blocks, rows, KB]
         # The max is exact in any order; every query sees at least its own key.
         top = scores.amax(dim=(2, 5), keepdim=True)
         weights = torch.exp(scores - top)
-        # Sums over blocks run in position order (a scan), so blocks of zeros before or after
-        # a query's keys change nothing.
-        totals = weights.sum(dim=-1).cumsum(dim=2)[:, :, -1]  # [R, Hkv, group, rows]
         flat_w = pad_rows(weights.reshape(num_reqs, num_kv_heads, blocks, group * rows, KEY_BLOCK), 3)
         products = torch.matmul(flat_w, values)  # [R, Hkv, blocks, rows padded, D]
-        acc = products[:, :, 0].clone()
-        for block in range(1, blocks):
-            acc += products[:, :, block]
+        totals, acc = _sum_blocks_in_order(weights.sum(dim=-1), products, dim=2)  # totals: [R, Hkv, group, rows]
         acc = acc[:, :, :group * rows].view(num_reqs, num_kv_heads, group, rows, head_dim)
         return acc / totals[..., None]
 
@@ -215,15 +204,9 @@ class _SharedBlocks:
             keys = read_kv(k_buf, slots.reshape(-1), f32, kv_scales[0]).view(shape).transpose(0, 1)
             values = read_kv(v_buf, slots.reshape(-1), f32, kv_scales[1]).view(shape).transpose(0, 1)
             scores = torch.matmul(rows, keys.transpose(-1, -2))[:, :, :size * group]
-            scores = scores.reshape(count, num_kv_heads, size, group, KEY_BLOCK) * scale
-            if spec.logit_softcap is not None:
-                scores = torch.tanh(scores / spec.logit_softcap) * spec.logit_softcap
+            scores = scores.reshape(count, num_kv_heads, size, group, KEY_BLOCK)
             key_pos = index[:, None, None] * KEY_BLOCK + torch.arange(KEY_BLOCK, device=index.device)  # [u, 1, KB]
-            query_pos = self.positions[members][:, :, None]  # [u, C, 1]
-            seen = key_pos <= query_pos
-            if spec.sliding_window is not None:
-                seen &= key_pos > query_pos - spec.sliding_window
-            scores = scores.masked_fill(~seen[:, None, :, None], float("-inf"))
+            scores = _masked_scores(scores, key_pos, self.positions[members][:, :, None], scale, spec)  # seen: [u, C, KB]
             block_top[members, index[:, None]] = scores.amax(dim=-1).transpose(1, 2)
             scored.append((members, index, scores, values))
         top = block_top.amax(dim=1)  # [R + 1, Hkv, group]: exact in any order
@@ -236,9 +219,30 @@ class _SharedBlocks:
             flat = pad_rows(weights.reshape(count, num_kv_heads, size * group, KEY_BLOCK), 2)
             out = torch.matmul(flat, values)[:, :, :size * group].view(count, num_kv_heads, size, group, head_dim)
             products[members, index[:, None]] = out.transpose(1, 2)
-        # As _Group._attend_tile: block sums by a scan, weighted values added block by block.
-        totals = sums[:num_reqs].cumsum(dim=1)[:, -1]
-        acc = products[:num_reqs, 0].clone()
-        for block in range(1, self.num_blocks):
-            acc += products[:num_reqs, block]
+        totals, acc = _sum_blocks_in_order(sums[:num_reqs], products[:num_reqs], dim=1)
         return acc / totals[..., None]
+
+
+def _masked_scores(scores: torch.Tensor, key_pos: torch.Tensor, query_pos: torch.Tensor, scale: float,
+                   spec: LayerAttention) -> torch.Tensor:
+    """Scaled (and soft-capped) scores, -inf where the query may not see the key. `scores` is
+    [N, Hkv, A, group, B, KB] or [N, Hkv, A, group, KB], and the positions broadcast to
+    [N, A, (B,) KB], the mask's shape without the KV-head and group axes."""
+    scores = scores * scale
+    if spec.logit_softcap is not None:
+        scores = torch.tanh(scores / spec.logit_softcap) * spec.logit_softcap
+    seen = key_pos <= query_pos
+    if spec.sliding_window is not None:
+        seen &= key_pos > query_pos - spec.sliding_window
+    return scores.masked_fill(~seen[:, None, :, None], float("-inf"))
+
+
+def _sum_blocks_in_order(sums: torch.Tensor, products: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(softmax denominators, weighted values) summed over the blocks axis `dim` in position
+    order: the sums by a scan, the values block by block. Both paths go through here, so both
+    add in one order; blocks of zeros before or after a query's keys change nothing."""
+    totals = sums.cumsum(dim=dim).select(dim, -1)
+    acc = products.select(dim, 0).clone()
+    for block in range(1, products.shape[dim]):
+        acc += products.select(dim, block)
+    return totals, acc
