@@ -215,6 +215,45 @@ class SpeculativeSettings(Section):
         return self.speculative_num_draft_tokens
 
 
+@dataclass(frozen=True)
+class LoRASettings(Section):
+    """LoRA adapters of the base model, served side by side and batched together (docs/lora.md)."""
+
+    enable_lora: bool = setting(False, "serve LoRA adapters: requests name one (lora_path, or the OpenAI model "
+                                       "'<adapter>'); without one they run the base model")
+    lora_paths: tuple[str, ...] | None = setting(None, "adapters loaded at start, as name=path (a PEFT adapter "
+                                                       "directory; a bare path is named by its directory)")
+    max_loras_per_batch: int = setting(8, "adapters on the device at once (each a slot of max_lora_rank); a "
+                                          "batch mixes at most this many", min=1)
+    max_loaded_loras: int | None = setting(None, "adapters loaded (in host memory) at most; loading one more is "
+                                                 "refused with 503 until one is unloaded; unset: no bound", min=1)
+    max_lora_rank: int | None = setting(None, "largest adapter rank a slot holds; unset: the largest of "
+                                              "--lora-paths", min=1)
+    lora_target_modules: tuple[str, ...] | None = setting(None, "projections that may carry LoRA: all, or some "
+                                                                "of q_proj k_proj v_proj o_proj gate_proj up_proj "
+                                                                "down_proj; unset: all")
+    lora_backend: str = setting("auto", "auto (triton on CUDA, torch on CPU) | triton (each token's own adapter "
+                                        "by gathered kernels) | torch (every slot's products, masked per token)",
+                                choices=("auto", "torch", "triton"),
+                                refusal="is not implemented (auto, triton and torch are; csgmv is not)")
+
+    def check(self) -> None:
+        from .lora.adapter import parse_lora_paths, resolve_target_modules
+
+        if not self.enable_lora:
+            if self.lora_paths:
+                raise ValueError("lora_paths: needs --enable-lora")
+            return
+        parse_lora_paths(self.lora_paths)
+        resolve_target_modules(self.lora_target_modules)
+        if not self.lora_paths and self.max_lora_rank is None:
+            raise ValueError("max_lora_rank: required with --enable-lora and no --lora-paths (the slots are sized "
+                             "before any adapter is loaded)")
+        if self.max_loaded_loras is not None and self.lora_paths and len(self.lora_paths) > self.max_loaded_loras:
+            raise ValueError(f"max_loaded_loras: {self.max_loaded_loras} is fewer than the "
+                             f"{len(self.lora_paths)} --lora-paths")
+
+
 def split_addr(addr: str) -> tuple[str, int]:
     """(host, port) of a host:port address ([::1]:port for IPv6)."""
     host, sep, port = addr.rpartition(":")
@@ -297,7 +336,7 @@ class APISettings(Section):
 
 SECTIONS: dict[str, type[Section]] = {
     "model": ModelSettings, "cache": CacheSettings, "scheduler": SchedulerSettings, "executor": ExecutorSettings,
-    "speculative": SpeculativeSettings, "parallel": ParallelSettings, "http": HTTPSettings, "api": APISettings,
+    "speculative": SpeculativeSettings, "lora": LoRASettings, "parallel": ParallelSettings, "http": HTTPSettings, "api": APISettings,
 }
 # Flat setting name -> its section, for the command line and Engine(**kwargs).
 SECTION_OF: dict[str, str] = {f.name: name for name, cls in SECTIONS.items() for f in dataclasses.fields(cls)}
@@ -305,7 +344,7 @@ SECTION_OF: dict[str, str] = {f.name: name for name, cls in SECTIONS.items() for
 
 class ServerArgs:
     """Every setting, by section: `args.model`, `args.cache`, `args.scheduler`, `args.executor`,
-    `args.speculative`, `args.parallel`, `args.http`, `args.api`. Made from flat names, as
+    `args.speculative`, `args.lora`, `args.parallel`, `args.http`, `args.api`. Made from flat names, as
     SGLang's ServerArgs and `Engine(**kwargs)` take them: `ServerArgs(max_total_tokens=4096)`;
     raises ValueError naming an unknown setting or a bad value. Immutable; sent to a child
     process as `to_dict()`."""
@@ -327,6 +366,7 @@ class ServerArgs:
     scheduler: SchedulerSettings
     executor: ExecutorSettings
     speculative: SpeculativeSettings
+    lora: LoRASettings
     parallel: ParallelSettings
     http: HTTPSettings
     api: APISettings

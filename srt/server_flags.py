@@ -36,6 +36,9 @@ def add_setting_flags(parser: argparse.ArgumentParser) -> None:
             help_text = meta["help"] + (f"; unset: ${meta['env']} if set" if meta["env"] else "")
             if kind_of(f) is bool:
                 group.add_argument(_flag(f.name), action="store_true", default=f.default, help=help_text)
+            elif kind_of(f) is tuple:  # several values: --lora-paths a=dir1 b=dir2
+                group.add_argument(_flag(f.name), nargs="+", default=f.default, help=help_text,
+                                   metavar=f.name.split("_")[-1].upper())
             else:
                 group.add_argument(_flag(f.name), type=_parser_of(section, f), default=f.default, help=help_text,
                                    metavar=f.name.split("_")[-1].upper())
@@ -74,6 +77,8 @@ def to_flags(values: dict[str, Any]) -> list[str]:
     for name, value in values.items():
         if isinstance(value, bool):
             argv += [_flag(name)] if value else []
+        elif isinstance(value, (list, tuple)):
+            argv += [_flag(name), *map(str, value)] if value else []
         elif value is not None:
             argv += [_flag(name), str(value)]
     return argv

@@ -22,8 +22,10 @@ def setting(default: Any, help: str, *, choices: tuple[Any, ...] | None = None, 
 
 
 def kind_of(f: dataclasses.Field) -> type:
-    """The field's value type from its annotation ("int | None" -> int)."""
-    return {"int": int, "float": float, "bool": bool, "str": str}[str(f.type).split(" |")[0]]
+    """The field's value type from its annotation ("int | None" -> int; "tuple[str, ...]": a
+    list of strings, several values after its flag)."""
+    return {"int": int, "float": float, "bool": bool, "str": str,
+            "tuple[str, ...]": tuple}[str(f.type).split(" |")[0]]
 
 
 def check_value(f: dataclasses.Field, value: Any) -> Any:
@@ -34,6 +36,12 @@ def check_value(f: dataclasses.Field, value: Any) -> Any:
             raise ValueError("must not be null")
         return None
     kind, meta = kind_of(f), f.metadata
+    if kind is tuple:
+        if isinstance(value, str):
+            value = value.split()
+        if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) and v for v in value):
+            raise ValueError("must be a list of strings")
+        return tuple(value)
     if kind is bool:
         if not isinstance(value, bool):
             raise ValueError("must be true or false")
