@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import uuid
-from typing import Any
+from typing import Any, Callable, Collection
 
 from .io_struct import TokenizedGenerateReq
 from .sampling_params import SamplingParams
@@ -79,13 +79,29 @@ def _is_int(x: Any) -> bool:
 class Intake:
     """Validates requests against one model (its tokenizer, vocabulary and context length)."""
 
-    def __init__(self, tokenizer: Any, vocab_size: int, context_len: int, default_seed: int | None = None):
+    def __init__(self, tokenizer: Any, vocab_size: int, context_len: int, default_seed: int | None = None,
+                 adapters: Callable[[], Collection[str]] | None = None):
         """default_seed: the seed of a request that names none (--enable-deterministic-inference
-        gives every request one, so that the same request gets the same answer)."""
+        gives every request one, so that the same request gets the same answer).
+        adapters: the names of the LoRA adapters requests may name now (None: no --enable-lora)."""
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.context_len = context_len
         self.default_seed = default_seed
+        self.adapters = adapters
+
+    def lora_path(self, name: Any) -> str | None:
+        """A request's adapter: None (the base model) or the name of a loaded one."""
+        if name is None:
+            return None
+        if not isinstance(name, str):
+            raise ValueError("lora_path: must be an adapter's name (a string) or null")
+        if self.adapters is None:
+            raise ValueError(f"lora_path: {name!r} names an adapter, but the server runs without --enable-lora")
+        loaded = self.adapters()
+        if name not in loaded:
+            raise ValueError(f"lora_path: adapter {name!r} is not loaded (loaded: {', '.join(sorted(loaded)) or 'none'})")
+        return name
 
     def prompt_ids(self, text: Any = None, input_ids: Any = None, *, text_field: str = "text",
                    ids_field: str = "input_ids") -> list[int]:
@@ -94,12 +110,13 @@ class Intake:
 
     def samples(self, input_ids: list[int], sampling_params: dict[str, Any] | None, *, rid: Any = None,
                 return_logprob: Any = False, logprob_start_len: Any = None, top_logprobs_num: Any = None,
-                stream: bool = False, cache_salt: Any = None) -> list[TokenizedGenerateReq]:
+                stream: bool = False, cache_salt: Any = None, lora_path: Any = None) -> list[TokenizedGenerateReq]:
         """One message per sample of one tokenized prompt. With n > 1, sample i gets seed + i and
         rid "{rid}-{i}"; without a rid each sample gets a fresh one."""
         sp = self.sampling_params(input_ids, sampling_params)
         logprob = check_logprob_options(return_logprob, logprob_start_len, top_logprobs_num)
         salt = check_cache_salt(cache_salt)
+        lora = self.lora_path(lora_path)
         if rid is not None and not isinstance(rid, str):
             raise ValueError("rid: must be a string")
         out = []
@@ -107,7 +124,8 @@ class Intake:
             sample_rid = uuid.uuid4().hex if rid is None else (rid if sp.n == 1 else f"{rid}-{i}")
             out.append(TokenizedGenerateReq(
                 rid=sample_rid, input_ids=input_ids, sampling_params=sp.for_sample(i), return_logprob=logprob[0],
-                logprob_start_len=logprob[1], top_logprobs_num=logprob[2], stream=stream, cache_salt=salt))
+                logprob_start_len=logprob[1], top_logprobs_num=logprob[2], stream=stream, cache_salt=salt,
+                lora_path=lora))
         return out
 
     def sampling_params(self, input_ids: list[int], params: Any) -> SamplingParams:
@@ -125,11 +143,12 @@ class Intake:
         return sp
 
     def batch(self, text: Any, input_ids: Any, sampling_params: Any, rid: Any = None, *,
-              text_field: str = "text", **options: Any) -> tuple[bool, list[list[TokenizedGenerateReq]]]:
+              text_field: str = "text", lora_path: Any = None, **options: Any) -> tuple[bool, list[list[TokenizedGenerateReq]]]:
         """SGLang's request shape: one prompt (text or ids) or a list of them, with
         `sampling_params` and `rid` given once for all prompts or as a list with one per prompt.
-        Returns whether the input was a batch, and each prompt's samples in prompt order;
-        `options` go to `samples` for every prompt."""
+        `lora_path` too may be given once or per prompt (SGLang's). Returns whether the input was
+        a batch, and each prompt's samples in prompt order; `options` go to `samples` for every
+        prompt."""
         if text is not None and input_ids is not None:
             raise ValueError(f"{text_field}: give exactly one of {text_field} or input_ids")
         batched = isinstance(text, list) or (
@@ -144,11 +163,14 @@ class Intake:
         rids = rid if isinstance(rid, list) else [rid] * len(prompts)
         if len(rids) != len(prompts):
             raise ValueError("rid: a list must have one entry per prompt")
+        loras = lora_path if isinstance(lora_path, list) else [lora_path] * len(prompts)
+        if len(loras) != len(prompts):
+            raise ValueError("lora_path: a list must have one entry per prompt")
         groups = []
-        for prompt, params, one_rid in zip(prompts, params_list, rids):
+        for prompt, params, one_rid, lora in zip(prompts, params_list, rids, loras):
             ids = self.prompt_ids(prompt if text is not None else None, prompt if text is None else None,
                                   text_field=text_field)
-            groups.append(self.samples(ids, params, rid=one_rid, **options))
+            groups.append(self.samples(ids, params, rid=one_rid, lora_path=lora, **options))
         seen: set[str] = set()
         for msg in (m for group in groups for m in group):
             if msg.rid in seen:  # the second would be refused only once the first is running

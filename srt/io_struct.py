@@ -31,6 +31,7 @@ class TokenizedGenerateReq:
     top_logprobs_num: int = 0
     stream: bool = False
     cache_salt: str | None = None  # prefixes are shared only between requests with the same salt
+    lora_path: str | None = None  # the LoRA adapter's name (--enable-lora); None: the base model
 
 
 @dataclass(frozen=True)
@@ -41,11 +42,13 @@ class AbortReq:
 
 @dataclass(frozen=True)
 class ControlReq:
-    """A request for the scheduler's state: kind is "flush_cache", "flush_cache_storage"
-    (the disk tier too) or "server_info"."""
+    """A request for the scheduler's state, or a change to it: kind is "flush_cache",
+    "flush_cache_storage" (the disk tier too), "server_info", "load_lora_adapter" (args:
+    lora_name, lora_path) or "unload_lora_adapter" (args: lora_name)."""
 
     kind: str
     request_id: str
+    args: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -48,7 +48,10 @@ class Req:
     origin_input_ids: list[int]
     sampling_params: SamplingParams
     logprob: LogprobOptions = field(default_factory=LogprobOptions)
-    namespace: Any = None  # radix-cache namespace (cache salt, LoRA id)
+    namespace: Any = None  # radix-cache namespace: the cache salt, and the LoRA adapter's digest
+    adapter_name: str | None = None  # the LoRA adapter it runs with (--enable-lora); None: the base model
+    adapter_uid: str | None = None  # that adapter's digest (srt/lora/slots.py)
+    adapter_slot: int | None = None  # the device slot holding it, while the request is admitted
     stream: bool = False  # send outputs every step, not only at the end
     output_ids: list[int] = field(default_factory=list)
     finish_reason: FinishReason | None = None

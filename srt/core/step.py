@@ -54,6 +54,8 @@ class StepPlan:
     # Some request needs this step's tokens on the host before its next step (grammar masks,
     # penalties, min_new_tokens, logprobs, drafting): commit right after launching, no overlap.
     needs_host_tokens: bool = False
+    # LoRA adapters to copy into device slots before this step: (slot, adapter digest).
+    adapter_loads: list[tuple[int, str]] = field(default_factory=list)
 
     @property
     def reqs(self) -> list[Req]:

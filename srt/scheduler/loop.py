@@ -94,6 +94,7 @@ class SchedulerLoop:
     def _add(self, msg: TokenizedGenerateReq) -> None:
         try:
             req = Req.from_tokenized(msg, self.scheduler.config.vocab_size)
+            self.scheduler.bind_adapter(req, msg.lora_path)
         except ValueError as e:  # the main process validates; this guards a bad peer
             req = Req(rid=msg.rid, origin_input_ids=msg.input_ids, sampling_params=SamplingParams())
             req.finish_reason = FinishReason("abort", message=str(e))
@@ -109,6 +110,15 @@ class SchedulerLoop:
             return ControlReply(msg.request_id, ok, {} if ok else {"message": "requests are running"})
         if msg.kind == "server_info":
             return ControlReply(msg.request_id, True, self.scheduler.server_info())
+        if msg.kind in ("load_lora_adapter", "unload_lora_adapter"):
+            try:
+                if msg.kind == "load_lora_adapter":
+                    data = self.scheduler.load_adapter(msg.args.get("lora_name"), msg.args.get("lora_path"))
+                else:
+                    data = self.scheduler.unload_adapter(msg.args.get("lora_name"))
+            except (ValueError, OSError) as e:
+                return ControlReply(msg.request_id, False, {"message": str(e), **getattr(e, "reply", {})})
+            return ControlReply(msg.request_id, True, data)
         return ControlReply(msg.request_id, False, {"message": f"unknown control kind {msg.kind!r}"})
 
     # ---- outgoing ------------------------------------------------------------------------------

@@ -21,13 +21,14 @@ class PrefillManager:
     """Owns `waiting` (requests not yet admitted, or retracted) and `chunked` (the request whose
     prompt is part way through a chunked prefill)."""
 
-    def __init__(self, kv: RequestKV, tree: RadixCache, settings: SchedulerSettings):
+    def __init__(self, kv: RequestKV, tree: RadixCache, settings: SchedulerSettings, adapter_slots=None):
         """settings: with the device's defaults filled in (ServerArgs.with_device_defaults)."""
         self.kv = kv
         self.tree = tree
         self.budget = min(settings.max_prefill_tokens, settings.chunked_prefill_size)
         self.max_running = settings.max_running_requests
         self.longest_prefix_first = settings.schedule_policy == "lpm"
+        self.adapter_slots = adapter_slots  # LoRA device slots (srt/lora/slots.py), with --enable-lora
         self.waiting: deque[Req] = deque()
         self.chunked: Req | None = None
 
@@ -75,7 +76,10 @@ class PrefillManager:
                 break
             if newly_admitted and self._shares_uncached_prefix(req, parts):
                 continue  # next step its prefix comes from the cache instead of being recomputed
+            if newly_admitted and self.adapter_slots is not None and not self.adapter_slots.acquire(req):
+                continue  # every slot holds another adapter that running requests use
             if newly_admitted and not self.kv.admit(req):
+                self.kv.release(req)  # gives its adapter's slot back
                 break
             extend_len = min(req.seq_len - req.kv_len, budget)
             slots = self.kv.alloc(req, extend_len, decode_reserve(parts) if newly_admitted else 0)

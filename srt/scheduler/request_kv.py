@@ -16,12 +16,13 @@ from ..core.request import Req
 
 class RequestKV:
     def __init__(self, allocator: PageAllocator, req_table: ReqToTokenTable, tree: RadixCache, page_size: int,
-                 tiers: CacheTiers | None = None):
+                 tiers: CacheTiers | None = None, adapter_slots=None):
         self.allocator = allocator
         self.req_table = req_table
         self.tree = tree
         self.page_size = page_size
         self.tiers = tiers  # the host and disk tiers (kv_tiers.py), with --enable-hierarchical-cache
+        self.adapter_slots = adapter_slots  # LoRA device slots (srt/lora/slots.py), with --enable-lora
 
     def admit(self, req: Req) -> bool:
         """Takes a table row and locks the longest cached prefix."""
@@ -124,6 +125,8 @@ class RequestKV:
         are released. With the host tier a retracted request's KV is cached like a finished
         one's: the eviction that makes the room it was retracted for moves it to the host, and
         it resumes from there instead of prefilling its prompt and output again."""
+        if self.adapter_slots is not None:  # its adapter's slot may go to another adapter now
+            self.adapter_slots.release(req)
         if req.req_pool_idx is None:
             return
         row = req.req_pool_idx

@@ -29,6 +29,7 @@ from ...radix.tiered import TieredRadixCache
 from ..core.request import FinishReason, Req
 from ..core.step import PendingStep, StepEngine, StepPlan
 from ..server_args import ServerArgs
+from ..lora.registry import SchedulerAdapters
 from .constraints import ConstrainedDecoding
 from .decode import DecodeManager
 from .finish import check_finished
@@ -77,8 +78,11 @@ class Scheduler:
         else:
             self.tree = RadixCache(self.allocator.capacity, self.allocator.free, page_size=args.cache.page_size,
                                    disable=args.cache.disable_radix_cache)
-        self.kv = RequestKV(self.allocator, self.req_table, self.tree, args.cache.page_size, self.tiers)
-        self.prefill = PrefillManager(self.kv, self.tree, args.scheduler)
+        # LoRA: which adapters are loaded, and the device slots running requests pin.
+        self.adapters = SchedulerAdapters(args.lora, self.engine) if args.lora.enable_lora else None
+        slots = self.adapters.slots if self.adapters is not None else None
+        self.kv = RequestKV(self.allocator, self.req_table, self.tree, args.cache.page_size, self.tiers, slots)
+        self.prefill = PrefillManager(self.kv, self.tree, args.scheduler, slots)
         self.decode = DecodeManager(self.kv, args.speculative, self.context_len, requeue=self.prefill.requeue)
         self.pending: PendingStep | None = None  # launched, not committed yet
         self.in_flight: list[Req] = []  # the requests of the step being launched or run
@@ -99,6 +103,28 @@ class Scheduler:
         self.engine.overlap = on
 
     # ---- requests in and out -------------------------------------------------------------
+
+    def bind_adapter(self, req: Req, name: str | None) -> None:
+        """Gives `req` the LoRA adapter `name` (None: the base model): its digest, and a cache
+        namespace of its own. ValueError for a name not loaded."""
+        if name is None:
+            return
+        if self.adapters is None:
+            raise ValueError(f"lora_path: {name!r} names an adapter, but the server runs without --enable-lora")
+        self.adapters.bind(req, name)
+
+    def load_adapter(self, name: Any, path: Any) -> dict[str, Any]:
+        if self.adapters is None:
+            raise ValueError("lora_name: the server runs without --enable-lora")
+        return self.adapters.load(name, path)
+
+    def unload_adapter(self, name: Any) -> dict[str, Any]:
+        if self.adapters is None:
+            raise ValueError("lora_name: the server runs without --enable-lora")
+        held = list(self.prefill.waiting) + self.decode.running + list(self.constraints.compiling)
+        if self.prefill.chunked is not None:
+            held.append(self.prefill.chunked)
+        return self.adapters.unload(name, busy=[r for r in held if r.adapter_name == name])
 
     def add_request(self, req: Req) -> None:
         if self.tiers is not None:  # its disk blocks are read while it waits
@@ -201,6 +227,8 @@ class Scheduler:
 
     def _launch(self, plan: StepPlan) -> PendingStep:
         self.in_flight = plan.reqs
+        if self.adapters is not None:  # adapters newly given a slot are copied in first
+            plan.adapter_loads = self.adapters.slots.take_loads()
         if self.tiers is not None:  # demotions queued while planning read slots this step reuses
             self.tiers.flush_moves()
         launched = self.engine.launch(plan)
@@ -299,6 +327,7 @@ class Scheduler:
             "kv": self.kv_stats(),
             "cache": self.tree.stats,
             "cache_tiers": self.tier_info(),
+            "lora": self.adapters.info() if self.adapters is not None else None,
             "context_len": self.context_len,
             "max_total_tokens": self.allocator.capacity,
             "page_size": self.args.cache.page_size,
