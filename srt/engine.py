@@ -46,8 +46,9 @@ class Engine:
                 parallel.shutdown()
                 torch.set_num_threads(self._threads)
             raise
+        adapters = self.scheduler.adapters
         self.intake = Intake(self.tokenizer, self.model_config.vocab_size, self.scheduler.context_len,
-                             deterministic_seed(args))
+                             deterministic_seed(args), (lambda: adapters.slots.adapters) if adapters else None)
 
     def generate(
         self,
@@ -60,14 +61,19 @@ class Engine:
         return_text_in_logprobs: bool = False,
         rid: str | list[str] | None = None,
         cache_salt: str | None = None,
+        lora_path: str | list[str | None] | None = None,
     ) -> dict[str, Any] | list[dict[str, Any]]:
         """Generates for one prompt (returns a dict) or a batch (returns a list, input order;
-        n > 1 samples of a prompt follow each other). Validation is the server's (srt/intake.py)."""
+        n > 1 samples of a prompt follow each other). Validation is the server's (srt/intake.py).
+        lora_path: a loaded LoRA adapter's name (--enable-lora), or a list with one per prompt."""
         batched, groups = self.intake.batch(
             prompt, input_ids, sampling_params, rid, text_field="prompt", return_logprob=return_logprob,
-            logprob_start_len=logprob_start_len, top_logprobs_num=top_logprobs_num, cache_salt=cache_salt)
+            logprob_start_len=logprob_start_len, top_logprobs_num=top_logprobs_num, cache_salt=cache_salt,
+            lora_path=lora_path)
         msgs = [m for group in groups for m in group]
         reqs = [Req.from_tokenized(m, self.model_config.vocab_size) for m in msgs]
+        for msg, req in zip(msgs, reqs):
+            self.scheduler.bind_adapter(req, msg.lora_path)
         start = time.perf_counter()
         for req in reqs:
             self.scheduler.add_request(req)
@@ -93,6 +99,14 @@ class Engine:
         text = final_text(self.tokenizer, req.output_ids, req.sampling_params, finish)
         return result(msg, text, list(req.output_ids), progress, logprobs,
                       TokenTexts(self.tokenizer) if with_text else None)
+
+    def load_lora_adapter(self, lora_name: str, lora_path: str) -> dict[str, Any]:
+        """Loads a PEFT LoRA adapter under `lora_name` (--enable-lora); ValueError naming what
+        is refused (a rank above --max-lora-rank, another base model's shapes, DoRA, ...)."""
+        return self.scheduler.load_adapter(lora_name, lora_path)
+
+    def unload_lora_adapter(self, lora_name: str) -> dict[str, Any]:
+        return self.scheduler.unload_adapter(lora_name)
 
     def flush_cache(self, include_storage: bool = False) -> bool:
         """Empties the radix cache and the host tier (and the disk tier with include_storage)."""

@@ -10,6 +10,10 @@ attention at large buckets, for batches whose requests share long cached prefixe
 sizes an eager step's launches cost more than the step) and picks one per batch.
 
 The runner talks to the backend only through AttentionBackend's CUDA-graph hooks (base.py).
+
+With LoRA adapters (srt/lora/layers.py) each graph is captured twice: without the adapters'
+products, for batches of base-model requests only, and with them, reading each row's adapter
+slot from a fixed buffer.
 """
 
 from __future__ import annotations
@@ -39,17 +43,23 @@ def batch_size_buckets(max_bs: int) -> list[int]:
 
 class CudaGraphRunner:
     def __init__(self, model: torch.nn.Module, backend: AttentionBackend, max_bs: int, max_pages_per_req: int,
-                 device: torch.device):
+                 device: torch.device, lora=None):
+        """lora: the adapters' BatchAdapters (srt/lora/layers.py), with --enable-lora."""
         check_capturable(backend)
         self.model = model
         self.backend = backend
+        self.lora = lora
         self.buckets = batch_size_buckets(max_bs)
         self.max_bs = self.buckets[-1]
         self.input_ids = torch.zeros(self.max_bs, dtype=torch.int64, device=device)
         self.positions = torch.zeros(self.max_bs, dtype=torch.int64, device=device)
         self.out_cache_loc = torch.full((self.max_bs,), PADDING_SLOT, dtype=torch.int64, device=device)
-        # Per bucket, per variant (the default first): (graph, its logits, the backend's handle).
-        self.graphs: dict[int, dict[str, tuple[torch.cuda.CUDAGraph, torch.Tensor, object]]] = {}
+        # Each row's LoRA table row (the last one, all zeros, for the base model and padding).
+        self.adapter_rows = None if lora is None else torch.full((self.max_bs,), lora.num_slots, dtype=torch.int64,
+                                                                 device=device)
+        # Per bucket, per variant (the default first): (graph, its logits, the backend's handle);
+        # with LoRA the variant's graph with the adapters' products is under (variant, "lora").
+        self.graphs: dict[int, dict[str | tuple[str, str], tuple[torch.cuda.CUDAGraph, torch.Tensor, object]]] = {}
         backend.init_cuda_graph_state(self.max_bs, max_pages_per_req)
         started = time.perf_counter()
         pool = None
@@ -61,14 +71,17 @@ class CudaGraphRunner:
                                  f"{DEFAULT_GRAPH_VARIANT!r}, got {variants!r}")
             self.graphs[bs] = {}
             for variant in variants:
-                pool = self._capture(bs, variant, pool)
+                pool = self._capture(bs, variant, pool, with_lora=False)
+                if lora is not None:
+                    pool = self._capture(bs, variant, pool, with_lora=True)
         extra: dict[str, int] = {}
         for captured in self.graphs.values():
             for variant in list(captured)[1:]:
-                extra[variant] = extra.get(variant, 0) + 1
-        logger.info("captured %d decode CUDA graphs (batch sizes up to %d%s) in %.1fs", len(self.buckets),
+                if isinstance(variant, str):  # (variant, "lora") keys are the same graphs with LoRA
+                    extra[variant] = extra.get(variant, 0) + 1
+        logger.info("captured %d decode CUDA graphs (batch sizes up to %d%s%s) in %.1fs", len(self.buckets),
                     self.max_bs, "".join(f"; {n} with {v} attention" for v, n in extra.items()),
-                    time.perf_counter() - started)
+                    "; each also with LoRA" if lora is not None else "", time.perf_counter() - started)
 
     def should_replay(self, batch: ForwardBatch) -> bool:
         """Whether `batch` runs from a graph rather than eagerly: a decode batch within the
@@ -76,20 +89,25 @@ class CudaGraphRunner:
         rather plan it eagerly (a bucket with variants lets the backend choose among them)."""
         if not (batch.is_decode and batch.batch_size <= self.max_bs):
             return False
-        return len(self.graphs[self._bucket(batch.batch_size)]) > 1 or not self.backend.prefers_eager(batch)
+        variants = len(self.graphs[self._bucket(batch.batch_size)]) // (2 if self.lora is not None else 1)
+        return variants > 1 or not self.backend.prefers_eager(batch)
 
     def _bucket(self, num_reqs: int) -> int:
         return self.buckets[bisect.bisect_left(self.buckets, num_reqs)]
 
-    def _capture(self, bs: int, variant: str, pool):
+    def _capture(self, bs: int, variant: str, pool, with_lora: bool):
         handle = self.backend.capture_cuda_graph_plan(variant, bs, self.out_cache_loc[:bs])
-        logits, graph = self._record(bs, pool)
-        self.graphs[bs][variant] = (graph, logits, handle)
+        logits, graph = self._record(bs, pool, with_lora)
+        self.graphs[bs][(variant, "lora") if with_lora else variant] = (graph, logits, handle)
         return graph.pool()
 
-    def _record(self, bs: int, pool) -> tuple[torch.Tensor, torch.cuda.CUDAGraph]:
+    def _record(self, bs: int, pool, with_lora: bool = False) -> tuple[torch.Tensor, torch.cuda.CUDAGraph]:
         """Captures one forward of the first `bs` rows as planned; (its logits, the graph)."""
-        run = lambda: self.model(self.input_ids[:bs], self.positions[:bs], self.backend)  # noqa: E731
+        def run():
+            if self.lora is not None:  # the masks' gather is part of the graph
+                self.lora.prepare_from(self.adapter_rows[:bs] if with_lora else None)
+            return self.model(self.input_ids[:bs], self.positions[:bs], self.backend)
+
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
@@ -113,9 +131,14 @@ class CudaGraphRunner:
             self.positions[num_reqs:bs].zero_()
             self.out_cache_loc[num_reqs:bs].fill_(PADDING_SLOT)
         captured = self.graphs[bs]
-        variant = (self.backend.choose_cuda_graph_variant(batch, bs) if len(captured) > 1
-                   else DEFAULT_GRAPH_VARIANT)
-        graph, logits, handle = captured[variant]
+        # The rows the runner's LoRA prepare() put on the device for this batch, copied in place.
+        with_lora = self.lora is not None and self.lora.rows is not None
+        if with_lora:
+            self.adapter_rows[:num_reqs].copy_(self.lora.rows)
+            self.adapter_rows[num_reqs:bs].fill_(self.lora.num_slots)
+        variant = (self.backend.choose_cuda_graph_variant(batch, bs)
+                   if len(captured) > (2 if self.lora is not None else 1) else DEFAULT_GRAPH_VARIANT)
+        graph, logits, handle = captured[(variant, "lora") if with_lora else variant]
         self.backend.replay_cuda_graph_plan(variant, handle, batch, bs, self.out_cache_loc[:bs])
         graph.replay()
         return logits[:num_reqs]

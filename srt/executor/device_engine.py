@@ -77,6 +77,11 @@ class DeviceEngine:
         self.overlap = self.device.type == "cuda" and not args.scheduler.disable_overlap_schedule
         self.last_tokens = torch.zeros(args.scheduler.max_running_requests, dtype=torch.int64, device=self.device)
         self._transfer = TokenTransfer(self.device)
+        # LoRA: the runner's handle and files of each adapter loaded (by digest), and the
+        # handles dropped since the last forward (the other tensor-parallel ranks drop them then).
+        self._adapters: dict[str, tuple[int, str]] = {}
+        self._adapter_drops: list[int] = []
+        self._next_handle = 0
         # Per-request device state: seeded random streams.
         self._streams = SeededStreams(self.device, per_position=args.executor.enable_deterministic_inference)
 
@@ -105,6 +110,30 @@ class DeviceEngine:
     def host_kv_stats(self) -> dict:
         return {**self.host_kv.timings(), "allocated_bytes": self.host_kv.allocated_bytes}
 
+    # ---- LoRA adapters (srt/lora/registry.py asks for them) ---------------------------------
+
+    def load_adapter(self, uid: str, path: str, config) -> None:
+        """Reads an adapter's tensors into host memory (ValueError naming what does not fit);
+        the other tensor-parallel ranks read their parts when a step first loads it."""
+        handle = self._next_handle
+        self.runner.lora.add(handle, path, config)
+        self._next_handle += 1
+        self._adapters[uid] = (handle, path)
+
+    def drop_adapter(self, uid: str) -> None:
+        handle, _ = self._adapters.pop(uid)
+        self.runner.lora.drop(handle)
+        self._adapter_drops.append(handle)
+
+    def _add_adapters(self, plan: StepPlan, batch) -> None:
+        """The batch's LoRA columns: every batch builder feeds each part's extend_len tokens in
+        part order."""
+        batch.adapter_loads = tuple((slot, *self._adapters[uid]) for slot, uid in plan.adapter_loads)
+        batch.adapter_drops, self._adapter_drops = tuple(self._adapter_drops), []
+        if any(p.req.adapter_slot is not None for p in plan.parts):
+            batch.adapter_slots = [-1 if p.req.adapter_slot is None else p.req.adapter_slot
+                                   for p in plan.parts for _ in range(p.extend_len)]
+
     @torch.inference_mode()
     def launch(self, plan: StepPlan) -> PendingStep:
         draft_probs: dict[int, torch.Tensor] = {}  # by part index: the draft model's q
@@ -121,6 +150,8 @@ class DeviceEngine:
             batch = build_extend_batch(plan.parts, self.device)
         if self.draft is not None and not speculating:
             self.draft.follow(batch)  # the draft's KV for the same tokens
+        if self.runner.lora is not None:
+            self._add_adapters(plan, batch)
         logits = self.runner.forward(batch, self.host_kv.take_loads() if self.host_kv is not None else None)
         prompt_logprobs: dict[int, tuple[list, list]] = {}
         if plan.decode:  # one row per part, every part samples

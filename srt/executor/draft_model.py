@@ -93,7 +93,9 @@ class DraftModel:
         # Under tensor parallelism the draft runs whole on rank 0, outside the ranks' collectives:
         # it is small, and its forwards (one per draft) then cost no messages to the other ranks,
         # which only ever see the target's batches.
-        self.runner = ModelRunner(draft, args, req_to_token, num_kv_slots, tp=TensorParallel())
+        # The draft drafts for the base model: adapters are the target's (its verify step applies them).
+        draft_args = args.replace(enable_lora=False, lora_paths=None) if args.lora.enable_lora else args
+        self.runner = ModelRunner(draft, draft_args, req_to_token, num_kv_slots, tp=TensorParallel())
         self.device = self.runner.device
         logger.info("draft model %s: %d layers, hidden %d", draft.model_path, draft.config.num_layers,
                     draft.config.hidden_size)

@@ -36,6 +36,12 @@ class ForwardBatch:
     # The host lists positions, out_cache_loc and logit_rows were made from (tensor parallelism
     # sends them to the other ranks without reading the device).
     host_columns: tuple[list[int], list[int], list[int]] | None = None
+    # LoRA (--enable-lora): each token's adapter slot (-1: the base model; None: no adapters in
+    # the batch), the slot loads to run first as (slot, handle, adapter path), and the handles
+    # unloaded since the last forward. Tensor parallelism sends them to every rank.
+    adapter_slots: list[int] | None = None
+    adapter_loads: tuple[tuple[int, int, str], ...] = ()
+    adapter_drops: tuple[int, ...] = ()
 
     @property
     def batch_size(self) -> int:

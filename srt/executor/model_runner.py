@@ -66,6 +66,16 @@ class ModelRunner:
             check_deterministic_settings(args)
 
             make_batch_invariant(self.model, self.device)
+        self.lora = None  # --enable-lora: the adapters' device slots in the projections
+        if args.lora.enable_lora:
+            from ..lora.layers import LoRASlots, check_lora_supported, uses_triton
+            from ..lora.registry import max_lora_rank
+            from ..lora.adapter import resolve_target_modules
+
+            check_lora_supported(args, cfg)
+            self.lora = LoRASlots(self.model, cfg, args.lora.max_loras_per_batch, max_lora_rank(args.lora),
+                                  resolve_target_modules(args.lora.lora_target_modules), self.device, self.dtype,
+                                  shard=loaded.shard, triton=uses_triton(args))
         local = self.model.config  # this rank's heads under tensor parallelism
         kv_dtype = kv_cache_torch_dtype(args.model.kv_cache_dtype, self.dtype)  # --kv-cache-dtype fp8_e4m3: FP8
         self.kv_pool = KVPool(num_kv_slots, cfg.num_layers, local.num_kv_heads, cfg.head_dim, kv_dtype, self.device,
@@ -119,7 +129,8 @@ class ModelRunner:
         max_bs = min(self.args.executor.cuda_graph_max_bs, self.args.scheduler.max_running_requests)
         max_pages_per_req = -(-req_to_token.shape[1] // self.args.cache.page_size)
         with torch.inference_mode():
-            return CudaGraphRunner(self.model, self.attn_backend, max_bs, max_pages_per_req, self.device)
+            return CudaGraphRunner(self.model, self.attn_backend, max_bs, max_pages_per_req, self.device,
+                                   self.lora.batch if self.lora is not None else None)
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, loads=None) -> torch.Tensor:
@@ -132,6 +143,8 @@ class ModelRunner:
             return self._forward(batch, loads)
 
     def _forward(self, batch: ForwardBatch, loads) -> torch.Tensor:
+        if self.lora is not None:
+            self.lora.prepare(batch.adapter_loads, batch.adapter_drops, batch.adapter_slots)
         # A decode batch with enough shared-prefix KV runs cascade attention: in its bucket's
         # cascade graph, or eagerly where the bucket has none (should_replay asks the backend).
         graphs = self.graph_runner
@@ -201,6 +214,13 @@ def kv_slots_for(config: ModelConfig, args: ServerArgs, tp: parallel.TensorParal
     local = rank_config(config, tp)
     # Called before the runner builds its copy of the weights (the loaded ones are freed after).
     budget = free - (1.0 - args.cache.mem_fraction_static) * total - model_bytes(local, dtype, args.model.quantization)
+    if args.lora.enable_lora:  # the adapters' device slots
+        from ..lora.adapter import resolve_target_modules
+        from ..lora.layers import lora_bytes
+        from ..lora.registry import max_lora_rank
+
+        budget -= lora_bytes(local, args.lora.max_loras_per_batch, max_lora_rank(args.lora),
+                             resolve_target_modules(args.lora.lora_target_modules), dtype)
     bytes_per_token = KVPool.bytes_per_token(local.num_layers, local.num_kv_heads, local.head_dim,
                                              kv_cache_torch_dtype(args.model.kv_cache_dtype, dtype))
     if budget < bytes_per_token * 4096:

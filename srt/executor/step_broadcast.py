@@ -35,7 +35,7 @@ from ...radix.tiered import KVMove
 from .forward_batch import ForwardBatch, ForwardMode
 from .parallel import TensorParallel
 
-_HEADER = 6  # kind, mode, tokens, requests, logit rows, table entries
+_HEADER = 7  # kind, mode, tokens, requests, logit rows, table entries, LoRA section length
 HEARTBEAT_S = 1.0
 
 
@@ -84,12 +84,13 @@ class StepSender:
         deltas = self._table_deltas(batch.req_pool_indices_cpu, batch.seq_lens_cpu)
         mode = 0 if batch.mode is ForwardMode.EXTEND else 1
         positions, out_cache_loc, logit_rows = (np.asarray(list(c), np.int64) for c in batch.host_columns)
+        lora = encode_adapters(batch)
         return np.concatenate([
-            np.array([Kind.FORWARD, mode, len(positions), batch.batch_size, len(logit_rows), deltas.shape[0] // 3],
-                     dtype=np.int64),
+            np.array([Kind.FORWARD, mode, len(positions), batch.batch_size, len(logit_rows), deltas.shape[0] // 3,
+                      len(lora)], dtype=np.int64),
             positions, out_cache_loc, np.asarray(batch.req_pool_indices_cpu, np.int64),
             np.asarray(batch.seq_lens_cpu, np.int64), np.asarray(batch.prefix_lens_cpu, np.int64),
-            np.asarray(batch.extend_lens_cpu, np.int64), logit_rows, deltas])
+            np.asarray(batch.extend_lens_cpu, np.int64), logit_rows, deltas, lora])
 
     def send_moves(self, moves: list[KVMove]) -> None:
         """Sends the host tier's copies before rank 0 runs them: every rank moves its own shard
@@ -99,7 +100,7 @@ class StepSender:
                 raise RuntimeError("tensor parallel: the other ranks were told to stop")
             total = sum(len(m.device_slots) for m in moves)
             self._send_locked(np.concatenate([
-                np.array([Kind.MOVES, len(moves), total, 0, 0, 0], dtype=np.int64),
+                np.array([Kind.MOVES, len(moves), total, 0, 0, 0, 0], dtype=np.int64),
                 np.array([MOVE_KINDS.index(m.kind) for m in moves], dtype=np.int64),
                 np.array([len(m.device_slots) for m in moves], dtype=np.int64),
                 np.asarray([s for m in moves for s in m.device_slots], dtype=np.int64),
@@ -123,7 +124,7 @@ class StepSender:
 
     @staticmethod
     def _signal(kind: Kind) -> np.ndarray:
-        return np.array([kind, 0, 0, 0, 0, 0], dtype=np.int64)
+        return np.array([kind, 0, 0, 0, 0, 0, 0], dtype=np.int64)
 
     def _send_locked(self, message: np.ndarray) -> None:
         dist.broadcast(torch.tensor([message.shape[0]], dtype=torch.int64), src=0, group=self.tp.cpu_group)
@@ -148,6 +149,37 @@ class StepSender:
         return np.stack([which, pos, self.table[which, pos]], axis=1).ravel()
 
 
+def encode_adapters(batch: ForwardBatch) -> np.ndarray:
+    """A batch's LoRA columns as int64s: [number of token slots, slots..., loads, (slot, handle,
+    path length, path bytes...) per load, drops, handles...]; empty without LoRA."""
+    if batch.adapter_slots is None and not batch.adapter_loads and not batch.adapter_drops:
+        return np.zeros(0, np.int64)
+    slots = batch.adapter_slots or []
+    parts = [[len(slots)], slots, [len(batch.adapter_loads)]]
+    for slot, handle, path in batch.adapter_loads:
+        raw = list(path.encode())
+        parts += [[slot, handle, len(raw)], raw]
+    parts += [[len(batch.adapter_drops)], list(batch.adapter_drops)]
+    return np.asarray([v for part in parts for v in part], np.int64)
+
+
+def decode_adapters(section: np.ndarray, batch: ForwardBatch) -> None:
+    """Sets the batch's LoRA columns from encode_adapters' section."""
+    if not len(section):
+        return
+    values = section.tolist()
+    count = values[0]
+    batch.adapter_slots = values[1:1 + count] if count else None
+    at = 1 + count
+    loads = []
+    for _ in range(values[at]):
+        slot, handle, length = values[at + 1:at + 4]
+        loads.append((slot, handle, bytes(values[at + 4:at + 4 + length]).decode()))
+        at += 3 + length
+    batch.adapter_loads = tuple(loads)
+    batch.adapter_drops = tuple(values[at + 1:at + 1 + values[at]])
+
+
 class StepReceiver:
     """A follower's side: `receive()` blocks until rank 0's next message."""
 
@@ -167,10 +199,10 @@ class StepReceiver:
             return kind, self._moves(host)
         if kind is not Kind.FORWARD:
             return kind, None
-        mode, tokens, reqs, logits, entries = (int(v) for v in host[1:_HEADER])
-        sizes = [tokens, tokens, reqs, reqs, reqs, reqs, logits, 3 * entries]
+        mode, tokens, reqs, logits, entries, lora = (int(v) for v in host[1:_HEADER])
+        sizes = [tokens, tokens, reqs, reqs, reqs, reqs, logits, 3 * entries, lora]
         cols = np.split(host[_HEADER:_HEADER + sum(sizes)], np.cumsum(sizes)[:-1])
-        positions, out_loc, rows, seq_lens, prefix_lens, extend_lens, logit_rows, deltas = cols
+        positions, out_loc, rows, seq_lens, prefix_lens, extend_lens, logit_rows, deltas, lora_section = cols
         if entries:
             triples = deltas.reshape(-1, 3)
             self.table[triples[:, 0], triples[:, 1]] = triples[:, 2]
@@ -183,6 +215,7 @@ class StepReceiver:
             positions=on_device[0], out_cache_loc=on_device[1], req_pool_indices=on_device[2],
             req_pool_indices_cpu=rows.tolist(), seq_lens=on_device[3], seq_lens_cpu=seq_lens.tolist(),
             prefix_lens_cpu=prefix_lens.tolist(), extend_lens_cpu=extend_lens.tolist(), logit_rows=on_device[4])
+        decode_adapters(lora_section, batch)
         return kind, batch
 
     @staticmethod
