@@ -2,7 +2,8 @@
 caches. Text prompts are keyed by their text, token-id prompts by one character per id, chats
 and Responses inputs by a canonical rendering of their messages in order (a shared system
 prompt and earlier turns give a shared prefix). Each kind has its own namespace, and so does
-each `cache_salt` (the workers never share prefixes across salts either). Only the first
+each `cache_salt` and each LoRA adapter (native `lora_path`, or the OpenAI `model` naming one):
+the workers never share prefixes across salts or adapters either. Only the first
 MAX_KEY_CHARS characters count: enough to tell prompts apart, bounded work per request."""
 
 from __future__ import annotations
@@ -14,8 +15,8 @@ MAX_KEY_CHARS = 100_000
 
 
 def _namespace(kind: str, body: dict[str, Any]) -> str:
-    salt = body.get("cache_salt")
-    return f"{kind}{salt if isinstance(salt, str) else ''}\x00"
+    salt, adapter = body.get("cache_salt"), _first(body.get("lora_path", body.get("model")))
+    return f"{kind}{salt if isinstance(salt, str) else ''}\x00{adapter if isinstance(adapter, str) else ''}\x00"
 
 
 def _ids_key(ids: Any) -> str | None:

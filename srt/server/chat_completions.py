@@ -35,7 +35,7 @@ class ChatCompletions:
         if isinstance(runner, Response):
             return runner
         choices = ChatChoices(tm, run, runner)
-        envelope = self.api.envelope("chatcmpl", "chat.completion")
+        envelope = self.api.envelope("chatcmpl", "chat.completion", run.msgs[0].lora_path)
         if body.stream:
             envelope["object"] = "chat.completion.chunk"
             return EventStream(self._stream(choices, envelope), on_close=runner.close)

@@ -17,7 +17,7 @@ from typing import Any, AsyncIterator
 from ..io_struct import TokenizedGenerateReq
 from ..results import ResultBuilder
 from .chat import ChatOptions, ChatStream, ChatTurn, after_reasoning, prepare_turn
-from .openai_common import check_fits, samples, tokenize
+from .openai_common import adapter_of, check_fits, samples, tokenize
 from .openai_protocol import ChatCompletionRequest, OpenAIError, samples_usage, usage
 from .request_runner import RequestRunner
 from .tokenizer_manager import TokenizerManager
@@ -87,7 +87,7 @@ def _samples(tm: TokenizerManager, body: ChatCompletionRequest, renames: dict[st
     if seed_offset and params.get("seed") is not None:
         params["seed"] += seed_offset
     return samples(tm, ids, params, renames, return_logprob=body.logprobs, top_logprobs_num=body.top_logprobs or 0,
-                   stream=body.stream, cache_salt=body.cache_salt)
+                   stream=body.stream, cache_salt=body.cache_salt, lora_path=adapter_of(tm, body.model))
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from ..io_struct import TokenizedGenerateReq
-from .openai_common import (OpenAIContext, as_openai_error, check_fits, error_events, error_response,
+from .openai_common import (OpenAIContext, adapter_of, as_openai_error, check_fits, error_events, error_response,
                             json_response, open_runner, parse_body, run_whole, samples, tokenize)
 from .openai_protocol import (CompletionRequest, OpenAIError, choice, completion_logprobs, finish_reason_of,
                               logprob_entries, samples_usage)
@@ -56,7 +56,7 @@ class Completions:
                                    (lambda e: error_events(e, _RENAMES)) if body.stream else None)
         if isinstance(runner, Response):
             return runner
-        envelope = self.api.envelope("cmpl", "text_completion")
+        envelope = self.api.envelope("cmpl", "text_completion", job.msgs[0].lora_path)
         if body.stream:
             return EventStream(self._stream(runner, job, envelope), on_close=runner.close)
         wholes = await run_whole(request, runner, runner.whole_results(), _RENAMES)
@@ -82,7 +82,7 @@ class Completions:
                                   return_logprob=body.logprobs is not None,
                                   logprob_start_len=0 if body.echo and body.logprobs is not None else -1,
                                   top_logprobs_num=body.logprobs or 0, stream=body.stream,
-                                  cache_salt=body.cache_salt))
+                                  cache_salt=body.cache_salt, lora_path=adapter_of(tm, body.model)))
             if body.echo:
                 echo_texts.append(prompt if isinstance(prompt, str) else tm.tokenizer.decode(ids))
         return _Job(body, groups, echo_texts)

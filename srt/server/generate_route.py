@@ -20,7 +20,8 @@ from .streaming import SSE_DONE, EventStream, sse
 from .tokenizer_manager import TokenizerManager
 
 GENERATE_FIELDS = {"text", "input_ids", "sampling_params", "return_logprob", "logprob_start_len",
-                   "top_logprobs_num", "return_text_in_logprobs", "stream", "rid", "cache_salt"}
+                   "top_logprobs_num", "return_text_in_logprobs", "stream", "rid", "cache_salt",
+                   "lora_path"}
 _BOOL_FIELDS = ("stream", "return_text_in_logprobs")
 
 
@@ -87,7 +88,7 @@ def generate_requests(body: Any, intake: Intake) -> tuple[list[TokenizedGenerate
         body.get("text"), body.get("input_ids"), body.get("sampling_params"), body.get("rid"),
         return_logprob=body.get("return_logprob", False), logprob_start_len=body.get("logprob_start_len"),
         top_logprobs_num=body.get("top_logprobs_num"), stream=body.get("stream", False),
-        cache_salt=body.get("cache_salt"))
+        cache_salt=body.get("cache_salt"), lora_path=body.get("lora_path"))
     msgs = [m for group in groups for m in group]
     return msgs, batched or len(msgs) > 1
 

@@ -15,6 +15,7 @@ from . import generate_route
 from .errors import error_response
 from .generate_route import json_body
 from .guard import Guard
+from .lora_routes import add_lora_routes
 from .openapi_docs import document_bodies
 from .tokenize_routes import add_tokenize_routes
 from .tokenizer_manager import TokenizerManager
@@ -133,6 +134,8 @@ def create_app(state: ServerState, api_key: str | None, max_request_bytes: int =
         except asyncio.TimeoutError:
             pass
         return Response(state.tm.metrics.render(), media_type="text/plain; version=0.0.4")
+
+    add_lora_routes(app, lambda: state.tm)
 
     @app.api_route("/generate", methods=["POST", "PUT"])
     async def generate(request: Request) -> Response:

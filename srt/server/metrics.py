@@ -44,6 +44,12 @@ class Metrics:
         }
         self.tier = {name: Gauge(f"radixlm_cache_tier_{name}", text, ["tier"], registry=r)
                      for name, text in tier_gauges.items()}
+        # LoRA (--enable-lora): adapters loaded, slots in use, and copies of adapters into slots.
+        self.lora_loaded = Gauge("radixlm_lora_adapters_loaded", "LoRA adapters loaded", registry=r)
+        self.lora_pinned = Gauge("radixlm_lora_slots_in_use", "Device slots holding adapters of running requests",
+                                 registry=r)
+        self.lora_slot_loads = Gauge("radixlm_lora_slot_loads", "Adapters copied into a device slot since start",
+                                     registry=r)
 
     def on_request_end(self, state: Any) -> None:
         """`state`: the tokenizer manager's record of a request that ended (finished or not)."""
@@ -77,6 +83,11 @@ class Metrics:
         if kv.get("capacity"):
             self.kv_usage.set(1.0 - kv.get("free", 0) / kv["capacity"])
         self.cache_hit_rate.set(info.get("cache", {}).get("hit_rate", 0.0))
+        lora = info.get("lora")
+        if lora:
+            self.lora_loaded.set(len(lora["loaded"]))
+            self.lora_pinned.set(lora["pinned_slots"])
+            self.lora_slot_loads.set(lora["slot_loads"])
         tiers = info.get("cache_tiers", {})
         figures = {"device": {"capacity_tokens": "capacity_tokens", "used_tokens": "cached_tokens"},
                    "host": {"capacity_tokens": "capacity_tokens", "used_tokens": "used_tokens",

@@ -41,16 +41,26 @@ class _Models:
         self.api = api
         self._created = int(time.time())
 
-    def _card(self) -> dict[str, Any]:
+    def _card(self, adapter: str | None = None) -> dict[str, Any]:
+        """The base model's card, or a LoRA adapter's (its parent the base model, as vLLM lists them)."""
         name = self.api.model_name
-        return {"id": name, "object": "model", "created": self._created, "owned_by": "radixlm",
+        card = {"id": adapter or name, "object": "model", "created": self._created, "owned_by": "radixlm",
                 "root": name, "max_model_len": self.api.tm_getter().context_len}
+        if adapter is not None:
+            card["parent"] = name
+        return card
+
+    def _adapters(self) -> list[str]:
+        adapters = self.api.tm_getter().adapters
+        return sorted(adapters.usable()) if adapters is not None else []
 
     async def list_models(self) -> Response:
-        return json_response({"object": "list", "data": [self._card()]})
+        return json_response({"object": "list", "data": [self._card()] + [self._card(a) for a in self._adapters()]})
 
     async def get_model(self, model_id: str) -> Response:
         name = self.api.model_name
+        if model_id in self._adapters():
+            return json_response(self._card(model_id))
         if model_id != name:
             return error_response(OpenAIError(f"model: {model_id!r} does not exist (this server serves {name!r})",
                                               "model", status=404, code="model_not_found"))

@@ -35,9 +35,11 @@ class OpenAIContext:
         self.model_name = served_model_name
         self._token_text: TokenText | None = None
 
-    def envelope(self, id_prefix: str, kind: str) -> dict[str, Any]:
+    def envelope(self, id_prefix: str, kind: str, adapter: str | None = None) -> dict[str, Any]:
+        """The response's fields beside its choices; `model` is the LoRA adapter's name when the
+        request ran on one."""
         return {"id": f"{id_prefix}-{uuid.uuid4().hex}", "object": kind, "created": int(time.time()),
-                "model": self.model_name, "system_fingerprint": None}
+                "model": adapter or self.model_name, "system_fingerprint": None}
 
     def names(self) -> TokenText:
         if self._token_text is None:
@@ -74,6 +76,17 @@ def samples(tm: TokenizerManager, ids: list[int], params: dict[str, Any], rename
         return tm.intake.samples(ids, params, **options)
     except ValueError as e:
         raise OpenAIError.from_value_error(e, renames) from None
+
+
+def adapter_of(tm: TokenizerManager, model: str | None) -> str | None:
+    """The LoRA adapter an OpenAI `model` names ("<adapter>" or "<base>:<adapter>"); without
+    --enable-lora the model name is not checked (clients send many spellings of it)."""
+    if tm.adapters is None:
+        return None
+    try:
+        return tm.adapters.for_model(model)
+    except ValueError as e:
+        raise OpenAIError(str(e), "model", status=404, code="model_not_found") from None
 
 
 def as_openai_error(e: Exception, renames: dict[str, str]) -> OpenAIError:

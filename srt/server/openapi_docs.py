@@ -31,6 +31,17 @@ class GenerateRequest(_Doc):
     top_logprobs_num: int = Field(0, ge=0, le=64)
     return_text_in_logprobs: bool = False
     cache_salt: str | None = None
+    lora_path: str | None | list[str | None] = Field(
+        None, description="a LoRA adapter's name (--enable-lora), or one per prompt; null: the base model")
+
+
+class LoadLoRARequest(_Doc):
+    lora_name: str = Field(description="the name requests will use")
+    lora_path: str = Field(description="a PEFT adapter directory on the server's disk")
+
+
+class UnloadLoRARequest(_Doc):
+    lora_name: str
 
 
 class AbortRequest(_Doc):
@@ -50,7 +61,8 @@ def _bodies() -> dict[str, type[BaseModel]]:
 
     return {"/generate": GenerateRequest, "/abort_request": AbortRequest, "/tokenize": TokenizeRequest,
             "/v1/tokenize": TokenizeRequest, "/v1/completions": CompletionRequest,
-            "/v1/chat/completions": ChatCompletionRequest, "/v1/responses": ResponsesRequest}
+            "/v1/chat/completions": ChatCompletionRequest, "/v1/responses": ResponsesRequest,
+            "/load_lora_adapter": LoadLoRARequest, "/unload_lora_adapter": UnloadLoRARequest}
 
 
 def document_bodies(app: FastAPI) -> None:

@@ -55,7 +55,7 @@ class RequestRunner:
         self._open = len(msgs)  # samples whose stream has not ended yet
         shared: dict[tuple[str | None, tuple[int, ...]], list[int]] = {}
         for index, msg in enumerate(msgs):  # the salt is part of the key: a prompt is cached per salt
-            shared.setdefault((msg.cache_salt, tuple(msg.input_ids)), []).append(index)
+            shared.setdefault((msg.cache_salt, msg.lora_path, tuple(msg.input_ids)), []).append(index)
         for indices in shared.values():
             samples = [(i, streams[i]) for i in indices]
             if len(samples) > 1:

@@ -108,11 +108,15 @@ class RequestStream:
 class TokenizerManager:
     def __init__(self, tokenizer: Any, model_config: Any, context_len: int, scheduler_addr: str,
                  recv_addr: str, metrics: Metrics | None = None, max_in_flight: int | None = None,
-                 default_seed: int | None = None):
+                 default_seed: int | None = None, adapters: Any = None):
+        """adapters: the LoRA adapters requests may name (lora_routes.AdapterNames, with
+        --enable-lora), else None."""
         self.tokenizer = tokenizer
         self.model_config = model_config
         self.context_len = context_len
-        self.intake = Intake(tokenizer, model_config.vocab_size, context_len, default_seed)
+        self.adapters = adapters
+        self.intake = Intake(tokenizer, model_config.vocab_size, context_len, default_seed,
+                             adapters.usable if adapters is not None else None)
         self.metrics = metrics or Metrics()
         # Running plus waiting requests the server holds at most; beyond it requests get 429.
         self.max_in_flight = max_in_flight
@@ -205,18 +209,22 @@ class TokenizerManager:
         same cache salt: a salted prompt is cached for that salt only). It takes no place of its
         own: the samples it runs for were admitted and wait for it."""
         warm = TokenizedGenerateReq(rid=uuid.uuid4().hex, input_ids=msg.input_ids,
-                                    sampling_params=SamplingParams(max_new_tokens=0), cache_salt=msg.cache_salt)
+                                    sampling_params=SamplingParams(max_new_tokens=0), cache_salt=msg.cache_salt,
+                                    lora_path=msg.lora_path)
         await self.generate_once(warm, admitted=True)
 
     async def abort(self, rid: str, abort_all: bool = False) -> None:
         await self._send.send(io_struct.encode(AbortReq(rid=rid, abort_all=abort_all)))
 
-    async def control(self, kind: str, timeout: float = 30.0) -> ControlReply:
+    def running_on_adapter(self, name: str) -> bool:
+        return any(state.msg.lora_path == name for state in self._states.values())
+
+    async def control(self, kind: str, timeout: float = 30.0, args: dict[str, Any] | None = None) -> ControlReply:
         request_id = uuid.uuid4().hex
         future = asyncio.get_running_loop().create_future()
         self._control_waiters[request_id] = future
         try:
-            await self._send.send(io_struct.encode(ControlReq(kind=kind, request_id=request_id)))
+            await self._send.send(io_struct.encode(ControlReq(kind=kind, request_id=request_id, args=args or {})))
             return await asyncio.wait_for(future, timeout)
         finally:
             self._control_waiters.pop(request_id, None)
