@@ -27,6 +27,7 @@ class Prompt:
     messages: tuple[dict[str, Any], ...] = ()  # complete chat turns so far
     role: str | None = None  # the open turn's role, if any
     role_content: str = ""  # the open turn's content so far
+    lora_path: str | None = None  # the LoRA adapter this call runs on (None: the base model)
 
 
 @dataclass(frozen=True)

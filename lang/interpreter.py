@@ -233,16 +233,16 @@ class StreamExecutor:
                 self._pending[name] -= 1
             self._cond.notify_all()
 
-    def _prompt(self) -> Prompt:
+    def _prompt(self, lora_path: str | None = None) -> Prompt:
         content = self.text_[self._content_start:] if self._role else ""
-        return Prompt(self.text_, tuple(self.messages_), self._role, content)
+        return Prompt(self.text_, tuple(self.messages_), self._role, content, lora_path)
 
     def _gen(self, expr: Gen) -> None:
         params = self.defaults.merged(expr.params)
         if self.stream and (params.n or 1) == 1:
             value, meta = self._gen_streaming(expr.name, params)
         else:
-            result = self.backend.generate(self._prompt(), params)
+            result = self.backend.generate(self._prompt(params.lora_path), params)
             self._append(result.texts[0])
             one = len(result.texts) == 1 and (params.n or 1) == 1
             value = result.texts[0] if one else result.texts
@@ -254,7 +254,7 @@ class StreamExecutor:
         if name is not None:
             with self._cond:
                 self.partial[name] = ""
-        for delta, meta in self.backend.generate_stream(self._prompt(), params):
+        for delta, meta in self.backend.generate_stream(self._prompt(params.lora_path), params):
             value += delta
             with self._cond:
                 self.text_ += delta
@@ -264,7 +264,8 @@ class StreamExecutor:
         return value, meta
 
     def _select(self, expr: Select) -> None:
-        decision = self.backend.select(self._prompt(), expr.choices, expr.temperature, expr.method)
+        adapter = expr.lora_path if expr.lora_path is not None else self.defaults.lora_path
+        decision = self.backend.select(self._prompt(adapter), expr.choices, expr.temperature, expr.method)
         if decision.decision not in expr.choices:  # a backend bug must not leak a non-choice
             raise BackendError(f"select: the backend decided {decision.decision!r}, not one of the choices")
         self._append(decision.decision)

@@ -45,6 +45,7 @@ class Select(Expr):
     choices: list[str]
     temperature: float = 0.0
     method: ChoicesMethod = token_length_normalized
+    lora_path: str | None = None  # None: the run's adapter, if any
 
 
 @dataclass(eq=False)
@@ -107,14 +108,16 @@ def gen(name: str | None = None, max_tokens: int | None = None, *, choices: list
         choices_method: ChoicesMethod | None = None, **params: Any) -> Expr:
     """Generate text into variable `name`. Keywords are sampling parameters (`stop`,
     `temperature`, `top_p`, `top_k`, `min_p`, `n`, `min_tokens`, `ignore_eos`, `return_logprob`,
-    `regex`, ...); they override the run's. With `choices`, this is `select`."""
+    `regex`, ..., and `lora_path`: the LoRA adapter to generate with); they override the run's.
+    With `choices`, this is `select`."""
     if choices is not None:
         temperature = params.pop("temperature", None)
+        lora_path = params.pop("lora_path", None)
         if params or max_tokens is not None:
             extra = sorted(params) + (["max_tokens"] if max_tokens is not None else [])
             raise TypeError(f"gen(choices=...) selects a choice; it takes no sampling arguments {extra}")
         return select(name, choices, 0.0 if temperature is None else temperature,
-                      choices_method or token_length_normalized)
+                      choices_method or token_length_normalized, lora_path=lora_path)
     if choices_method is not None:
         raise TypeError("gen(choices_method=...) needs choices=[...]")
     return Gen(name, SglSamplingParams.from_kwargs({"max_new_tokens": max_tokens, **params}, "gen"))
@@ -132,15 +135,18 @@ def gen_string(name: str | None = None, max_tokens: int | None = None, **params:
 
 
 def select(name: str | None = None, choices: list[str] | None = None, temperature: float = 0.0,
-           choices_method: ChoicesMethod = token_length_normalized) -> Select:
-    """Pick one of `choices` by the model's likelihood of each after the text so far."""
+           choices_method: ChoicesMethod = token_length_normalized, *, lora_path: str | None = None) -> Select:
+    """Pick one of `choices` by the model's likelihood of each after the text so far (with
+    `lora_path`, that of a LoRA adapter the server serves)."""
     if not choices or not isinstance(choices, (list, tuple)):
         raise ValueError("select: choices must be a non-empty list of strings")
     if not all(isinstance(c, str) and c for c in choices):
         raise ValueError("select: every choice must be a non-empty string")
     if not isinstance(temperature, (int, float)) or temperature < 0:
         raise ValueError(f"select: temperature must be a number >= 0, got {temperature!r}")
-    return Select(name, list(choices), float(temperature), choices_method)
+    if lora_path is not None and not isinstance(lora_path, str):
+        raise ValueError("select: lora_path must be an adapter's name")
+    return Select(name, list(choices), float(temperature), choices_method, lora_path)
 
 
 def _role(role: str, expr: ExprLike | None) -> ExprList:

@@ -52,7 +52,8 @@ class OpenAI(Backend):
         return self.is_chat_model and prompt.role == "assistant" and not prompt.role_content and bool(prompt.messages)
 
     def _request(self, prompt: Prompt, params: SglSamplingParams, stream: bool) -> tuple[str, dict[str, Any]]:
-        body: dict[str, Any] = {"model": self.model, **_openai_params(params)}
+        # A LoRA adapter is a model of its own on an OpenAI-style server (vLLM's and ours).
+        body: dict[str, Any] = {"model": prompt.lora_path or self.model, **_openai_params(params)}
         if stream:
             body["stream"] = True
         if self._chat_mode(prompt):
@@ -96,17 +97,18 @@ class OpenAI(Backend):
     def select(self, prompt: Prompt, choices: list[str], temperature: float, method: ChoicesMethod) -> ChoiceDecision:
         if not prompt.text:
             raise ValueError("select: needs some text before it to score the choices after")
-        scored = self._echo_logprobs([prompt.text + c for c in choices])
+        scored = self._echo_logprobs([prompt.text + c for c in choices], prompt.lora_path)
         logprobs = [_after(tokens, offsets, lps, len(prompt.text)) for tokens, offsets, lps in scored]
         unconditional = None
         if method.requires_unconditional_logprobs:
-            alone = self._echo_logprobs(choices)
+            alone = self._echo_logprobs(choices, prompt.lora_path)
             unconditional = [_aligned([0.0 if lp is None else lp for lp in lps], len(cond))
                              for (_, _, lps), cond in zip(alone, logprobs)]
         return method(choices, logprobs, unconditional, temperature)
 
-    def _echo_logprobs(self, prompts: list[str]) -> list[tuple[list[str], list[int], list[float | None]]]:
-        body = {"model": self.model, "prompt": prompts, "max_tokens": 0, "echo": True, "logprobs": 0,
+    def _echo_logprobs(self, prompts: list[str],
+                       lora_path: str | None = None) -> list[tuple[list[str], list[int], list[float | None]]]:
+        body = {"model": lora_path or self.model, "prompt": prompts, "max_tokens": 0, "echo": True, "logprobs": 0,
                 "temperature": 0.0}
         try:
             out = self._http.post("/completions", body)

@@ -128,7 +128,8 @@ class RuntimeEndpoint(Backend):
 
     @staticmethod
     def _body(prompt: Prompt, params: SglSamplingParams) -> dict[str, Any]:
-        return {"text": prompt.text, "sampling_params": params.wire_sampling(), **params.wire_logprob()}
+        return {"text": prompt.text, "sampling_params": params.wire_sampling(), **params.wire_logprob(),
+                **_adapter(prompt)}
 
     # ---- select ----------------------------------------------------------------------------
 
@@ -136,21 +137,22 @@ class RuntimeEndpoint(Backend):
         if not prompt.text:
             raise ValueError("select: needs some text before it to score the choices after")
         ids = self.tokenize([prompt.text] + [prompt.text + c for c in choices])
+        adapter = _adapter(prompt)  # every scoring call runs on the prompt's adapter
         if ids is not None:
-            logprobs, choice_ids = self._score_with_ids(ids[0], ids[1:])
+            logprobs, choice_ids = self._score_with_ids(ids[0], ids[1:], adapter)
         else:
-            logprobs, choice_ids = self._score_with_text(prompt.text, choices)
-        unconditional = self._unconditional(choice_ids) if method.requires_unconditional_logprobs else None
+            logprobs, choice_ids = self._score_with_text(prompt.text, choices, adapter)
+        unconditional = self._unconditional(choice_ids, adapter) if method.requires_unconditional_logprobs else None
         return method(choices, logprobs, unconditional, temperature)
 
-    def _score_with_ids(self, prompt_ids: list[int],
-                        seqs: list[list[int]]) -> tuple[list[TokenLogprobs], list[list[int]]]:
+    def _score_with_ids(self, prompt_ids: list[int], seqs: list[list[int]],
+                        adapter: dict[str, str]) -> tuple[list[TokenLogprobs], list[list[int]]]:
         """prompt_ids: the prompt's ids; seqs: those of prompt + each choice."""
         # Position 0 has no logprob, and every choice keeps at least one token.
         starts = [max(1, min(_common_prefix_len(prompt_ids, s), len(s) - 1)) for s in seqs]
-        self._http.post("/generate", {"input_ids": prompt_ids, "sampling_params": _PREFILL_ONLY})
+        self._http.post("/generate", {"input_ids": prompt_ids, "sampling_params": _PREFILL_ONLY, **adapter})
         first = min(starts)
-        results = self._prefill_batch({"input_ids": seqs}, first)
+        results = self._prefill_batch({"input_ids": seqs, **_per_prompt(adapter, len(seqs))}, first)
         logprobs = []
         for seq, start, result in zip(seqs, starts, results):
             entries = result["meta_info"]["input_token_logprobs"]
@@ -160,10 +162,12 @@ class RuntimeEndpoint(Backend):
             logprobs.append([(lp, tid) for lp, tid, *_ in entries[start - first:]])
         return logprobs, [seq[start:] for seq, start in zip(seqs, starts)]
 
-    def _score_with_text(self, text: str, choices: list[str]) -> tuple[list[TokenLogprobs], list[list[int]]]:
-        warm = self._http.post("/generate", {"text": text, "sampling_params": _PREFILL_ONLY})
+    def _score_with_text(self, text: str, choices: list[str],
+                         adapter: dict[str, str]) -> tuple[list[TokenLogprobs], list[list[int]]]:
+        warm = self._http.post("/generate", {"text": text, "sampling_params": _PREFILL_ONLY, **adapter})
         first = max(1, warm["meta_info"]["prompt_tokens"] - _BOUNDARY_WINDOW)
-        results = self._prefill_batch({"text": [text] + [text + c for c in choices]}, first)
+        results = self._prefill_batch({"text": [text] + [text + c for c in choices],
+                                       **_per_prompt(adapter, len(choices) + 1)}, first)
         window = [tid for _, tid, *_ in results[0]["meta_info"]["input_token_logprobs"]]
         logprobs, choice_ids = [], []
         for result in results[1:]:
@@ -174,9 +178,9 @@ class RuntimeEndpoint(Backend):
             choice_ids.append(ids[k:])
         return logprobs, choice_ids
 
-    def _unconditional(self, choice_ids: list[list[int]]) -> list[TokenLogprobs]:
+    def _unconditional(self, choice_ids: list[list[int]], adapter: dict[str, str]) -> list[TokenLogprobs]:
         """Each choice's tokens scored alone; the first has no context, so it counts 0."""
-        results = self._prefill_batch({"input_ids": choice_ids}, 0)
+        results = self._prefill_batch({"input_ids": choice_ids, **_per_prompt(adapter, len(choice_ids))}, 0)
         out = []
         for result in results:
             entries = result["meta_info"]["input_token_logprobs"]
@@ -191,6 +195,15 @@ class RuntimeEndpoint(Backend):
         if len(results) != count:
             raise BackendError(f"select: the server answered {len(results)} results for {count} prompts")
         return results
+
+
+def _adapter(prompt: Prompt) -> dict[str, str]:
+    """The body field naming the prompt's LoRA adapter, if it has one."""
+    return {"lora_path": prompt.lora_path} if prompt.lora_path is not None else {}
+
+
+def _per_prompt(adapter: dict[str, str], count: int) -> dict[str, list[str]]:
+    return {"lora_path": [adapter["lora_path"]] * count} if adapter else {}
 
 
 def _common_prefix_len(a: list[int], b: list[int]) -> int:

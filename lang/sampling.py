@@ -57,6 +57,7 @@ class SglSamplingParams:
     dtype: type | str | None = None
     regex: str | None = None
     json_schema: str | dict | None = None
+    lora_path: str | None = None  # a LoRA adapter's name on the server (--enable-lora); not a sampling value
 
     @classmethod
     def from_kwargs(cls, kwargs: dict[str, Any], where: str) -> "SglSamplingParams":
@@ -83,7 +84,7 @@ class SglSamplingParams:
         out: dict[str, Any] = {}
         for f in _FIELD_NAMES:
             value = getattr(self, f)
-            if value is None or f in _LOGPROB_FIELDS or f in _CONSTRAINT_FIELDS:
+            if value is None or f in _LOGPROB_FIELDS or f in _CONSTRAINT_FIELDS or f == "lora_path":
                 continue
             out[f] = list(value) if isinstance(value, tuple) else value
         regex = self.regex if self.regex is not None else dtype_regex(self.dtype)
