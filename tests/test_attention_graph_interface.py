@@ -139,7 +139,7 @@ class FakeGraph:
 def test_graph_runner_calls_the_hooks_in_the_documented_order(monkeypatch):
     backend = RecordingBackend()
 
-    def record(runner, bs, pool):  # what capture would give: the bucket's logits buffer, a graph
+    def record(runner, bs, pool, with_lora=False):  # what capture would give: the bucket's logits, a graph
         variant = backend.calls[-1][1]
         return torch.full((bs, VOCAB), float(bs)), FakeGraph(backend.calls, f"{variant}-{bs}")
 
@@ -170,6 +170,40 @@ def test_graph_runner_calls_the_hooks_in_the_documented_order(monkeypatch):
 def test_variants_must_start_with_the_default(monkeypatch):
     backend = RecordingBackend()
     backend.cuda_graph_variants = lambda bs: ("wide",)
-    monkeypatch.setattr(CudaGraphRunner, "_record", lambda runner, bs, pool: (None, FakeGraph([], "")))
+    monkeypatch.setattr(CudaGraphRunner, "_record", lambda runner, bs, pool, with_lora=False: (None, FakeGraph([], "")))
     with pytest.raises(ValueError, match="must start with 'decode'"):
         CudaGraphRunner(torch.nn.Identity(), backend, max_bs=2, max_pages_per_req=1, device="cpu")
+
+
+def test_with_lora_each_bucket_is_captured_twice_and_replay_picks_by_the_batch(monkeypatch):
+    """LoRA: every (bucket, variant) is captured without and with the adapters' products; a
+    batch with adapter tokens replays the second, its rows' slots copied into the runner's
+    buffer (padding rows: the base model's zero row), and a base-model batch the first."""
+    from radixlm.srt.lora.layers import BatchAdapters
+
+    backend = RecordingBackend()
+
+    def record(runner, bs, pool, with_lora=False):
+        variant = backend.calls[-1][1]
+        name = f"{variant}-{bs}" + ("-lora" if with_lora else "")
+        return torch.full((bs, VOCAB), float(bs)), FakeGraph(backend.calls, name)
+
+    monkeypatch.setattr(CudaGraphRunner, "_record", record)
+    lora = BatchAdapters(num_slots=3, max_rank=2, device="cpu", dtype=torch.float32)
+    runner = CudaGraphRunner(torch.nn.Identity(), backend, max_bs=6, max_pages_per_req=3, device="cpu", lora=lora)
+    assert [c for c in backend.calls if c[0] == "capture"][:4] == [
+        ("capture", "decode", 6), ("capture", "decode", 6), ("capture", "wide", 6), ("capture", "wide", 6)]
+    assert set(runner.graphs[4]) == {"decode", ("decode", "lora"), "wide", ("wide", "lora")}
+    assert runner.should_replay(_decode_batch(3)) and not runner.should_replay(_decode_batch(1))
+
+    backend.calls.clear()
+    batch = _decode_batch(3)
+    lora.prepare([2, -1, 0])  # as the model runner does before every forward
+    runner.replay(batch)  # padded to 4, odd: the second variant, with LoRA
+    assert backend.calls[-1] == ("graph", "wide-4-lora")
+    assert runner.adapter_rows[:4].tolist() == [2, 3, 0, 3]
+
+    backend.calls.clear()
+    lora.prepare([-1, -1])
+    runner.replay(_decode_batch(2))
+    assert backend.calls[-1] == ("graph", "decode-2")

@@ -96,6 +96,7 @@ class _FakeTokenizerManager:
         self.intake = Intake(tokenizer=None, vocab_size=100, context_len=64)
         self.context_len = 64
         self.tokenizer = None
+        self.adapters = None  # served without --enable-lora
         self.aborted: list[str] = []
         self.metrics = Metrics()
 

@@ -97,6 +97,12 @@ def test_request_keys_share_prefixes_within_a_kind_and_salt():
     assert request_keys.generate_key({"text": ["abc", "def"]}) == request_keys.generate_key({"text": "abc"})
     salted = request_keys.generate_key({"text": "abc", "cache_salt": "tenant-1"})
     assert not salted.startswith(request_keys.generate_key({"text": "ab"}))
+    # LoRA adapters never share KV on a worker, so their keys never share a prefix either.
+    on_a = request_keys.generate_key({"text": "abc", "lora_path": "a"})
+    assert on_a.startswith(request_keys.generate_key({"text": "ab", "lora_path": ["a", "b"]}))
+    assert not on_a.startswith(request_keys.generate_key({"text": "ab", "lora_path": "b"}))
+    assert not on_a.startswith(request_keys.generate_key({"text": "ab"}))
+    assert request_keys.completion_key({"prompt": "abc", "model": "a"}) == on_a
     assert request_keys.generate_key({"input_ids": [5, 6, 7]}).startswith(
         request_keys.generate_key({"input_ids": [5, 6]}))
     assert request_keys.generate_key({"input_ids": "bad"}) is None and request_keys.chat_key("x") is None

@@ -109,7 +109,7 @@ def test_openapi_declares_bodies_and_unique_operation_ids(server):
             ref = op["requestBody"]["content"]["application/json"]["schema"]["$ref"]
             assert ref.split("/")[-1] in doc["components"]["schemas"], path
     generate = doc["components"]["schemas"]["GenerateRequest"]["properties"]
-    assert {"text", "input_ids", "sampling_params", "stream", "rid", "cache_salt"} <= set(generate)
+    assert {"text", "input_ids", "sampling_params", "stream", "rid", "cache_salt", "lora_path"} <= set(generate)
 
 
 def test_body_over_the_cap_is_413(server):

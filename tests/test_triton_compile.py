@@ -22,6 +22,7 @@ from radixlm.srt.executor import batch_invariant_gemm  # noqa: E402
 from radixlm.srt.executor.attention import triton_decode  # noqa: E402
 from radixlm.srt.executor.models import moe_triton, triton_ops  # noqa: E402
 from radixlm.srt.executor.quantization import fp8_gemv, fp8_triton  # noqa: E402
+from radixlm.srt.lora import triton_lora  # noqa: E402
 
 HOPPER = GPUTarget("cuda", 90, 32)
 FLOAT_ARGS = {"eps", "qk_scale", "v_scale", "inv_k_scale", "inv_v_scale"}
@@ -74,6 +75,10 @@ CASES = [
                                              "GROUP_M": 8}, 4),
     (moe_triton._grouped_gemm_kernel, {"pair_ptr": "*i32", "expert_ptr": "*i32", "weight_ptr": "*fp32"},
      {"A_ROW_DIV": 2, "MUL_WEIGHT": False, "BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64}, 4),
+    (triton_lora._shrink_kernel, {"rows_ptr": "*i64", "scaling_ptr": "*fp32", "h_ptr": "*fp32"},
+     {"NUM_SLOTS": 8, "RANK": 16, "RANK_P2": 16, "BLOCK_K": 128}, 4),
+    (triton_lora._expand_kernel, {"h_ptr": "*fp32", "rows_ptr": "*i64"},
+     {"NUM_SLOTS": 8, "RANK": 16, "RANK_P2": 16, "BLOCK_N": 64}, 4),
 ]
 
 
@@ -135,7 +140,7 @@ def test_fp8_decode_reads_v_pairs_without_byte_wise_shared_loads():
 def test_every_kernel_is_covered():
     """A new kernel in these modules gets a case above."""
     covered = {case[0] for case in CASES}
-    for module in (triton_ops, fp8_gemv, fp8_triton, triton_decode, moe_triton):
+    for module in (triton_ops, fp8_gemv, fp8_triton, triton_decode, moe_triton, triton_lora):
         for name in dir(module):
             value = getattr(module, name)
             if isinstance(value, triton.runtime.jit.JITFunction) and name.endswith("_kernel"):
