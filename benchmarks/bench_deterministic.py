@@ -22,7 +22,9 @@ import time
 import torch
 
 from .gpu_workloads import offline_workload, random_prompts, shared_prefix_workload
+from .gpu_measure import device_name
 from .harness import Reporter, command_line, ratio
+from .models import add_engine_model_flags, engine_model
 
 SMOLLM_IDS = (200, 49000)  # the default model's ordinary token ids
 
@@ -94,8 +96,7 @@ def workloads(gpu: bool):
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--llama8b", action="store_true", help="the Llama-3.1-8B shape with dummy weights (GPU)")
-    parser.add_argument("--tokenizer-path", default=None, help="--llama8b: a Llama-3 tokenizer directory")
+    add_engine_model_flags(parser)
     parser.add_argument("--repeats", type=int, default=2, help="runs per workload and engine; the best is kept")
     parser.add_argument("--out", default=None, help="append the JSON lines to this file")
     args = parser.parse_args()
@@ -103,17 +104,10 @@ def main() -> None:
     from radixlm.srt import Engine
 
     gpu = torch.cuda.is_available()
-    device = torch.cuda.get_device_name() if gpu else "cpu"
+    device = device_name()
     frame = {"date": datetime.date.today().isoformat(), "machine": f"{device}, {os.cpu_count()} CPU cores"}
     report = Reporter(args.out, command=command_line())
-    model_args: dict = {"max_total_tokens": 16384}
-    model = "SmolLM2-135M-Instruct (embedded default), float32"
-    if args.llama8b:
-        from .models import LLAMA_8B_CONFIG
-
-        model_args = {"model_path": str(LLAMA_8B_CONFIG), "load_format": "dummy",
-                      "tokenizer_path": args.tokenizer_path}
-        model = "Llama-3.1-8B shape, dummy weights, bf16"
+    model_args, model = engine_model(args)
     runs = workloads(gpu)
     results: dict[str, dict[str, dict]] = {}
     for label, flag in (("baseline", False), ("deterministic", True)):

@@ -41,3 +41,18 @@ class LlamaShape:
 
 
 LLAMA_8B = LlamaShape.from_config(LLAMA_8B_CONFIG)
+
+
+def add_engine_model_flags(parser) -> None:
+    """--llama8b and --tokenizer-path, for a benchmark that runs Engines on the default model or
+    on the 8B shape."""
+    parser.add_argument("--llama8b", action="store_true", help="the Llama-3.1-8B shape with dummy weights (GPU)")
+    parser.add_argument("--tokenizer-path", default=None, help="--llama8b: a Llama-3 tokenizer directory")
+
+
+def engine_model(args) -> tuple[dict, str]:
+    """(Engine keyword arguments, the model's description) for those flags."""
+    if args.llama8b:
+        return ({"model_path": str(LLAMA_8B_CONFIG), "load_format": "dummy", "tokenizer_path": args.tokenizer_path},
+                "Llama-3.1-8B shape, dummy weights, bf16")
+    return {"max_total_tokens": 16384}, "SmolLM2-135M-Instruct (embedded default), float32"
