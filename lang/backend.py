@@ -7,10 +7,11 @@ before free. Chat-only APIs use `Prompt.messages` instead.
 
 from __future__ import annotations
 
+import asyncio
 import threading
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any, AsyncIterator, Iterator
 
 from .chat_template import ChatRenderer
 from .choices import ChoiceDecision, ChoicesMethod
@@ -28,6 +29,7 @@ class Prompt:
     role: str | None = None  # the open turn's role, if any
     role_content: str = ""  # the open turn's content so far
     lora_path: str | None = None  # the LoRA adapter this call runs on (None: the base model)
+    session_id: str | None = None  # the running program's session on the server (docs/sessions.md)
 
 
 @dataclass(frozen=True)
@@ -61,6 +63,38 @@ class Backend(ABC):
 
     def get_server_info(self) -> dict[str, Any]:
         return {}
+
+    def end_session(self, session_id: str) -> None:
+        """The program of `session_id` ended: the server may let its prefix go."""
+
+    def session_id(self) -> str | None:
+        """A new session id for a program about to run, or None: this backend keeps none."""
+        return None
+
+    # ---- asyncio (aio.py) ---------------------------------------------------------------------
+    # By default each call runs the blocking one on a worker thread; RuntimeEndpoint talks
+    # HTTP on the event loop itself.
+
+    async def agenerate(self, prompt: Prompt, params: SglSamplingParams) -> Generation:
+        return await asyncio.to_thread(self.generate, prompt, params)
+
+    async def agenerate_stream(self, prompt: Prompt,
+                               params: SglSamplingParams) -> AsyncIterator[tuple[str, dict[str, Any]]]:
+        for chunk in await asyncio.to_thread(lambda: list(self.generate_stream(prompt, params))):
+            yield chunk
+
+    async def aselect(self, prompt: Prompt, choices: list[str], temperature: float,
+                      method: ChoicesMethod) -> ChoiceDecision:
+        return await asyncio.to_thread(self.select, prompt, choices, temperature, method)
+
+    async def acache_prefix(self, text: str) -> None:
+        await asyncio.to_thread(self.cache_prefix, text)
+
+    async def aget_chat_template(self) -> ChatRenderer:
+        return await asyncio.to_thread(self.get_chat_template)
+
+    async def aend_session(self, session_id: str) -> None:
+        await asyncio.to_thread(self.end_session, session_id)
 
 
 _default: Backend | None = None

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import logging
 import os
 import threading
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Callable, Iterator
+from typing import Any, AsyncIterator, Callable, Iterator
 
 from .backend import Backend, get_default_backend, resolve_backend
 from .interpreter import StreamExecutor
@@ -20,6 +21,8 @@ logger = logging.getLogger(__name__)
 
 # A traced prefix shorter than this is not worth a separate warm-up request.
 _MIN_WARM_PREFIX_CHARS = 64
+# Async batches: programs running at once unless the caller says (each holds one connection).
+_DEFAULT_MAX_CONCURRENCY = 512
 
 
 class SglFunction:
@@ -34,6 +37,7 @@ class SglFunction:
         self.bind_arguments = dict(bind_arguments or {})
         self.__name__ = getattr(func, "__name__", "program")
         self.__doc__ = func.__doc__
+        self.is_async = inspect.iscoroutinefunction(func)  # an `async def` program (aio.py)
 
     def bind(self, **kwargs: Any) -> "SglFunction":
         """A copy with some arguments fixed."""
@@ -46,28 +50,95 @@ class SglFunction:
         """Runs the program. Keywords that are the program's parameters go to it; the others are
         sampling parameters (max_new_tokens, temperature, stop, ...) for every gen in it, which a
         gen's own values override. Raises the first error (a failed gen: the server's message);
-        with `stream=True` returns at once (errors: `s.error()`, or raised by readers)."""
+        with `stream=True` returns at once (errors: `s.error()`, or raised by readers). An
+        async program runs on an event loop of its own (in async code: `await prog.arun()`)."""
+        if self.is_async:
+            _no_running_loop(f"{self.__name__}.run", f"await {self.__name__}.arun(...)")
+            return asyncio.run(self.arun(*args, stream=stream, backend=backend, **kwargs))
         program_kwargs, defaults = self._split_kwargs(kwargs, "run")
         state = run_program(self, resolve_backend(backend), args, program_kwargs, defaults, stream)
         if not stream and state._executor.error_ is not None:
             raise state._executor.error_
         return state
 
+    async def arun(self, *args: Any, stream: bool = False, backend: Backend | None = None,
+                   **kwargs: Any) -> ProgramState:
+        """`run` for asyncio code. An async program runs on this event loop (cancelling the
+        awaiting task aborts its requests on the server); a sync one on a worker thread."""
+        if not self.is_async:
+            return await asyncio.to_thread(self.run, *args, stream=stream, backend=backend, **kwargs)
+        from .aio import arun_program
+
+        program_kwargs, defaults = self._split_kwargs(kwargs, "arun")
+        state = await arun_program(self.func, _endpoint_of(resolve_backend(backend)), args,
+                                   {**self.bind_arguments, **program_kwargs}, defaults, stream)
+        if not stream and state._executor.error_ is not None:
+            raise state._executor.error_
+        return state
+
     def run_batch(self, batch_kwargs: list[dict[str, Any]], *, backend: Backend | None = None,
-                  num_threads: int | str = "auto", progress_bar: bool = False, generator_style: bool = False,
-                  **sampling: Any) -> list[ProgramState] | Iterator[ProgramState]:
-        """Runs the program once per dict of arguments, concurrently; results in input order. A
+                  num_threads: int | str = "auto", max_concurrency: int | None = None, progress_bar: bool = False,
+                  generator_style: bool = False, **sampling: Any) -> list[ProgramState] | Iterator[ProgramState]:
+        """Runs the program once per dict of arguments, at most `max_concurrency` at once
+        (sync programs: `num_threads` threads, the same bound); results in input order. A
         program that fails does not stop the others: its state's `error()` holds the exception."""
-        if not isinstance(batch_kwargs, (list, tuple)):
-            raise TypeError("run_batch: batch_kwargs must be a list of dicts of arguments")
-        items = [self._batch_item(i, item) for i, item in enumerate(batch_kwargs)]
-        defaults = SglSamplingParams.from_kwargs(sampling, "run_batch")
-        chosen = resolve_backend(backend)
+        items, defaults, chosen = self._batch_setup(batch_kwargs, sampling, backend, "run_batch")
+        if self.is_async:
+            _no_running_loop(f"{self.__name__}.run_batch", f"await {self.__name__}.arun_batch(...)")
+            states = asyncio.run(self._gather(items, defaults, chosen, max_concurrency))
+            return iter(states) if generator_style else states
         if len(items) > 1:
             self.cache(chosen)
-        threads = _thread_count(num_threads, len(items))
+        threads = (_thread_count(num_threads, len(items)) if max_concurrency is None
+                   else _concurrency(max_concurrency, len(items)))
         runs = _BatchRunner(self, chosen, items, defaults, threads, progress_bar)
         return runs.iterate() if generator_style else list(runs.iterate())
+
+    async def arun_batch(self, batch_kwargs: list[dict[str, Any]], *, backend: Backend | None = None,
+                         max_concurrency: int | None = None, **sampling: Any) -> list[ProgramState]:
+        """`run_batch` for asyncio code: the states in input order."""
+        items, defaults, chosen = self._batch_setup(batch_kwargs, sampling, backend, "arun_batch")
+        return await self._gather(items, defaults, chosen, max_concurrency)
+
+    async def run_batch_stream(self, batch_kwargs: list[dict[str, Any]], *, backend: Backend | None = None,
+                               max_concurrency: int | None = None,
+                               **sampling: Any) -> AsyncIterator[tuple[int, ProgramState]]:
+        """`async for i, state in prog.run_batch_stream(args)`: each state as its program
+        finishes, with its index in `batch_kwargs`. Leaving the loop early cancels the
+        programs still running (their requests are aborted)."""
+        from .aio import stream_batch
+
+        items, defaults, chosen = self._batch_setup(batch_kwargs, sampling, backend, "run_batch_stream")
+        async for index, state in stream_batch(self._batch_runner(defaults, chosen), items,
+                                               _concurrency(max_concurrency, len(items))):
+            yield index, state
+
+    async def _gather(self, items: list[dict[str, Any]], defaults: SglSamplingParams, backend: Backend,
+                      max_concurrency: int | None) -> list[ProgramState]:
+        from .aio import stream_batch
+
+        states: list[Any] = [None] * len(items)
+        async for index, state in stream_batch(self._batch_runner(defaults, backend), items,
+                                               _concurrency(max_concurrency, len(items))):
+            states[index] = state
+        return states
+
+    def _batch_runner(self, defaults: SglSamplingParams, backend: Backend) -> Callable[[dict[str, Any]], Any]:
+        """One batch item's run as a coroutine: on the loop for an async program, on a worker
+        thread for a sync one. Failures stay in the state."""
+        endpoint = _endpoint_of(backend)
+        if self.is_async:
+            from .aio import arun_program
+
+            return lambda item: arun_program(self.func, endpoint, (), {**self.bind_arguments, **item}, defaults, False)
+        return lambda item: asyncio.to_thread(run_program, self, endpoint, (), item, defaults, False)
+
+    def _batch_setup(self, batch_kwargs: Any, sampling: dict[str, Any], backend: Backend | None,
+                     where: str) -> tuple[list[dict[str, Any]], SglSamplingParams, Backend]:
+        if not isinstance(batch_kwargs, (list, tuple)):
+            raise TypeError(f"{where}: batch_kwargs must be a list of dicts of arguments")
+        items = [self._batch_item(i, item) for i, item in enumerate(batch_kwargs)]
+        return items, SglSamplingParams.from_kwargs(sampling, where), resolve_backend(backend)
 
     def trace(self, *, backend: Backend | None = None, **kwargs: Any) -> TraceResult:
         """Runs the program without the model up to its first gen/select/fork or use of an
@@ -90,8 +161,9 @@ class SglFunction:
             return ""
         return prefix
 
-    def __call__(self, *args: Any, **kwargs: Any) -> ProgramState:
-        return self.run(*args, **kwargs)
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """`run`; for an async program, `arun` (to await)."""
+        return self.arun(*args, **kwargs) if self.is_async else self.run(*args, **kwargs)
 
     def _split_kwargs(self, kwargs: dict[str, Any], where: str) -> tuple[dict[str, Any], SglSamplingParams]:
         program = {k: v for k, v in kwargs.items() if k in self.arg_names}
@@ -124,6 +196,7 @@ def run_program(program: SglFunction, backend: Backend, args: tuple[Any, ...], k
     """Runs the program function on a fresh state. Never raises for the program's own failures:
     they are recorded in the state (`state.error()`)."""
     executor = StreamExecutor(_endpoint_of(backend), defaults, stream)
+    executor.session_id = executor.backend.session_id()
     state = ProgramState(executor)
     merged = {**program.bind_arguments, **kwargs}
 
@@ -134,6 +207,9 @@ def run_program(program: SglFunction, backend: Backend, args: tuple[Any, ...], k
             executor.record_error(e)
         finally:
             executor.end()
+            if executor.session_id is not None:
+                executor.wait_finished()
+                end_sessions(executor)
 
     if stream:
         executor.program_thread = threading.Thread(target=body, name="radixlm-stream-program", daemon=True)
@@ -145,9 +221,37 @@ def run_program(program: SglFunction, backend: Backend, args: tuple[Any, ...], k
     return state
 
 
+def end_sessions(executor: StreamExecutor) -> None:
+    """Tells the server the program's sessions ended (a failure to say so only leaves them to
+    expire: the program's own result stands)."""
+    for child in executor.children:  # a branch's last call finishes before its session ends
+        child.wait_finished()
+    for session_id in executor.sessions():
+        try:
+            executor.backend.end_session(session_id)
+        except Exception as e:
+            logger.warning("could not end session %s: %s", session_id, e)
+
+
 def _endpoint_of(backend: Backend) -> Backend:
     # A Runtime delegates to its endpoint; talking to the endpoint directly skips a hop.
     return getattr(backend, "endpoint", None) or backend
+
+
+def _no_running_loop(call: str, instead: str) -> None:
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return
+    raise RuntimeError(f"{call}() blocks, and this thread runs an event loop: use `{instead}`")
+
+
+def _concurrency(max_concurrency: int | None, num_items: int) -> int:
+    if max_concurrency is None:
+        max_concurrency = _DEFAULT_MAX_CONCURRENCY
+    if not isinstance(max_concurrency, int) or isinstance(max_concurrency, bool) or max_concurrency < 1:
+        raise ValueError(f"max_concurrency: must be an integer >= 1, got {max_concurrency!r}")
+    return max(1, min(max_concurrency, num_items))
 
 
 def _thread_count(num_threads: int | str, num_items: int) -> int:

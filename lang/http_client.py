@@ -1,4 +1,6 @@
-"""A small JSON/SSE HTTP client on the standard library, so the language needs no HTTP package.
+"""Small JSON/SSE HTTP clients: HttpClient on the standard library (threads block in it), and
+AsyncHttpClient on httpx for asyncio programs (one connection pool per event loop; imported
+only when an async program runs, so `import radixlm` stays cheap).
 
 Every failure becomes a BackendError carrying the server's own message (`{"error":
 {"message": ...}}` bodies), or saying that the server could not be reached.
@@ -6,11 +8,12 @@ Every failure becomes a BackendError carrying the server's own message (`{"error
 
 from __future__ import annotations
 
+import asyncio
 import json
 import socket
 import urllib.error
 import urllib.request
-from typing import Any, Iterator
+from typing import Any, AsyncIterator, Iterator
 
 from .backend import BackendError
 
@@ -48,16 +51,11 @@ class HttpClient:
         response = self._open("POST", path, body)
         with response:
             for raw in response:
-                line = raw.decode("utf-8").strip()
-                if not line.startswith("data:"):
-                    continue
-                data = line[len("data:"):].strip()
-                if data == "[DONE]":
+                event = _sse_event(raw.decode("utf-8"))
+                if event is _DONE:
                     return
-                event = json.loads(data)
-                if isinstance(event, dict) and isinstance(event.get("error"), dict):
-                    raise BackendError(str(event["error"].get("message", event["error"])))
-                yield event
+                if event is not None:
+                    yield event
 
     def _open(self, method: str, path: str, body: Any) -> Any:
         data = None if body is None else json.dumps(body).encode()
@@ -77,23 +75,114 @@ class HttpClient:
     @staticmethod
     def _json(response: Any) -> Any:
         with response:
-            raw = response.read()
+            return _json_of(response.read())
+
+
+# Async programs run hundreds of requests at once; each holds a connection while it waits.
+_MAX_CONNECTIONS = 1024
+
+
+class AsyncHttpClient:
+    """The asyncio twin of HttpClient: same paths, bodies and errors. A cancelled call closes
+    its connection, which the server takes as the client leaving: it aborts the request."""
+
+    def __init__(self, base_url: str, api_key: str | None = None, timeout: float = DEFAULT_TIMEOUT_S):
+        self.base_url = base_url.rstrip("/")
+        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.timeout = timeout
+        self._client: Any = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def _pool(self) -> Any:
+        # A pool belongs to the loop it was made on; asyncio.run() makes a new loop each time.
+        loop = asyncio.get_running_loop()
+        if self._client is None or self._loop is not loop:
+            import httpx
+
+            limits = httpx.Limits(max_connections=_MAX_CONNECTIONS, max_keepalive_connections=_MAX_CONNECTIONS)
+            self._client = httpx.AsyncClient(base_url=self.base_url, headers=self.headers, limits=limits,
+                                             timeout=self.timeout)
+            self._loop = loop
+        return self._client
+
+    async def get(self, path: str) -> Any:
+        return _json_of(await self._send("GET", path, None))
+
+    async def post(self, path: str, body: Any) -> Any:
+        return _json_of(await self._send("POST", path, body))
+
+    async def post_sse(self, path: str, body: Any) -> AsyncIterator[Any]:
+        import httpx
+
         try:
-            return json.loads(raw)
-        except ValueError:
-            raise BackendError(f"the server answered with non-JSON: {raw[:200]!r}") from None
+            async with self._pool().stream("POST", path, json=body) as response:
+                if response.status_code >= 400:
+                    await response.aread()
+                    raise HttpStatusError(_message_of(response.status_code, response.content), response.status_code)
+                async for line in response.aiter_lines():
+                    event = _sse_event(line)
+                    if event is _DONE:
+                        return
+                    if event is not None:
+                        yield event
+        except httpx.TransportError as e:
+            raise BackendError(f"cannot reach the server at {self.base_url}: {e!r}") from None
+
+    async def _send(self, method: str, path: str, body: Any) -> bytes:
+        import httpx
+
+        try:
+            response = await self._pool().request(method, path, json=body)
+        except httpx.TransportError as e:
+            raise BackendError(f"cannot reach the server at {self.base_url}: {e!r}") from None
+        if response.status_code >= 400:
+            raise HttpStatusError(_message_of(response.status_code, response.content), response.status_code)
+        return response.content
+
+    async def aclose(self) -> None:
+        if self._client is not None and self._loop is asyncio.get_running_loop():
+            await self._client.aclose()
+        self._client = self._loop = None
+
+
+_DONE = object()
+
+
+def _sse_event(line: str) -> Any:
+    """A `data: {...}` line's JSON, _DONE for `data: [DONE]`, None for other lines; an event
+    that is an error object raises BackendError."""
+    line = line.strip()
+    if not line.startswith("data:"):
+        return None
+    data = line[len("data:"):].strip()
+    if data == "[DONE]":
+        return _DONE
+    event = json.loads(data)
+    if isinstance(event, dict) and isinstance(event.get("error"), dict):
+        raise BackendError(str(event["error"].get("message", event["error"])))
+    return event
+
+
+def _json_of(raw: bytes) -> Any:
+    try:
+        return json.loads(raw)
+    except ValueError:
+        raise BackendError(f"the server answered with non-JSON: {raw[:200]!r}") from None
 
 
 def _error_message(e: urllib.error.HTTPError) -> str:
-    raw = e.read()
+    return _message_of(e.code, e.read(), e.reason)
+
+
+def _message_of(status: int, raw: bytes, reason: str = "") -> str:
     try:
         body = json.loads(raw)
         error = body.get("error") if isinstance(body, dict) else None
         if isinstance(error, dict) and error.get("message"):
             return str(error["message"])
         if isinstance(body, dict) and body.get("detail"):
-            return f"HTTP {e.code}: {body['detail']}"
+            return f"HTTP {status}: {body['detail']}"
     except ValueError:
         pass
     text = raw.decode("utf-8", "replace").strip()
-    return f"HTTP {e.code}: {text[:500] or e.reason}"
+    return f"HTTP {status}: {text[:500] or reason}"

@@ -13,8 +13,9 @@ import queue
 import threading
 from typing import Any, Iterator
 
-from .backend import Backend, BackendError, Prompt
+from .backend import Backend, BackendError, Generation, Prompt
 from .chat_template import ChatRenderer
+from .choices import ChoiceDecision
 from .ir import (CommitPrefix, Constant, Expr, ExprList, Gen, RoleBegin, RoleEnd, Select,
                  VarScopeBegin, VarScopeEnd, names_in)
 from .sampling import SglSamplingParams
@@ -47,6 +48,7 @@ class StreamExecutor:
         self._worker: threading.Thread | None = None
         self._ended = False
         self.program_thread: threading.Thread | None = None  # the thread running the program function
+        self.session_id: str | None = None  # the server session this state's calls keep warm
 
     # ---- submitting and waiting -------------------------------------------------------------
 
@@ -89,6 +91,11 @@ class StreamExecutor:
             self.sync()
         else:
             self.wait_finished()
+
+    def sessions(self) -> list[str]:
+        """The session ids of this state and its fork branches, to end when the program ends."""
+        own = [self.session_id] if self.session_id else []
+        return own + [sid for child in self.children for sid in child.sessions()]
 
     def wait_finished(self) -> None:
         with self._cond:
@@ -165,6 +172,7 @@ class StreamExecutor:
         for _ in range(size):
             child = StreamExecutor(self.backend, self.defaults, self.stream, self._chat, self.threaded)
             child.program_thread = self.program_thread
+            child.session_id = self.backend.session_id() if self.session_id else None  # branches diverge
             child.text_, child.messages_ = self.text_, list(self.messages_)
             child.variables, child.meta_info = dict(self.variables), dict(self.meta_info)
             child._role, child._role_start, child._content_start = self._role, self._role_start, self._content_start
@@ -235,37 +243,61 @@ class StreamExecutor:
 
     def _prompt(self, lora_path: str | None = None) -> Prompt:
         content = self.text_[self._content_start:] if self._role else ""
-        return Prompt(self.text_, tuple(self.messages_), self._role, content, lora_path)
+        return Prompt(self.text_, tuple(self.messages_), self._role, content, lora_path, self.session_id)
+
+    # A gen is three steps: its request (prompt and parameters), the backend call (sync here,
+    # awaited in aio.py), and its result into the text and variables.
 
     def _gen(self, expr: Gen) -> None:
-        params = self.defaults.merged(expr.params)
-        if self.stream and (params.n or 1) == 1:
-            value, meta = self._gen_streaming(expr.name, params)
+        prompt, params = self._gen_request(expr)
+        if self._streams(params):
+            self._gen_streamed(expr, self.backend.generate_stream(prompt, params))
         else:
-            result = self.backend.generate(self._prompt(params.lora_path), params)
-            self._append(result.texts[0])
-            one = len(result.texts) == 1 and (params.n or 1) == 1
-            value = result.texts[0] if one else result.texts
-            meta = result.meta_infos[0] if one and result.meta_infos else result.meta_infos
+            self._gen_finish(expr, params, self.backend.generate(prompt, params))
+
+    def _gen_request(self, expr: Gen) -> tuple[Prompt, SglSamplingParams]:
+        params = self.defaults.merged(expr.params)
+        return self._prompt(params.lora_path), params
+
+    def _streams(self, params: SglSamplingParams) -> bool:
+        return self.stream and (params.n or 1) == 1
+
+    def _gen_finish(self, expr: Gen, params: SglSamplingParams, result: Generation) -> None:
+        self._append(result.texts[0])
+        one = len(result.texts) == 1 and (params.n or 1) == 1
+        value = result.texts[0] if one else result.texts
+        meta = result.meta_infos[0] if one and result.meta_infos else result.meta_infos
         self._set(expr.name, value, meta)
 
-    def _gen_streaming(self, name: str | None, params: SglSamplingParams) -> tuple[str, Any]:
+    def _gen_streamed(self, expr: Gen, chunks: Iterator[tuple[str, dict[str, Any]]]) -> None:
         value, meta = "", None
+        self._stream_begin(expr.name)
+        for delta, meta in chunks:
+            value = self._stream_delta(expr.name, value, delta)
+        self._set(expr.name, value, meta)
+
+    def _stream_begin(self, name: str | None) -> None:
         if name is not None:
             with self._cond:
                 self.partial[name] = ""
-        for delta, meta in self.backend.generate_stream(self._prompt(params.lora_path), params):
-            value += delta
-            with self._cond:
-                self.text_ += delta
-                if name is not None:
-                    self.partial[name] = value
-                self._cond.notify_all()
-        return value, meta
+
+    def _stream_delta(self, name: str | None, value: str, delta: str) -> str:
+        value += delta
+        with self._cond:
+            self.text_ += delta
+            if name is not None:
+                self.partial[name] = value
+            self._cond.notify_all()
+        return value
 
     def _select(self, expr: Select) -> None:
-        adapter = expr.lora_path if expr.lora_path is not None else self.defaults.lora_path
-        decision = self.backend.select(self._prompt(adapter), expr.choices, expr.temperature, expr.method)
+        self._select_finish(expr, self.backend.select(self._select_prompt(expr), expr.choices, expr.temperature,
+                                                      expr.method))
+
+    def _select_prompt(self, expr: Select) -> Prompt:
+        return self._prompt(expr.lora_path if expr.lora_path is not None else self.defaults.lora_path)
+
+    def _select_finish(self, expr: Select, decision: ChoiceDecision) -> None:
         if decision.decision not in expr.choices:  # a backend bug must not leak a non-choice
             raise BackendError(f"select: the backend decided {decision.decision!r}, not one of the choices")
         self._append(decision.decision)

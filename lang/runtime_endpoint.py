@@ -22,12 +22,13 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Any, Iterator
+import uuid
+from typing import Any, AsyncIterator, Iterator
 
 from .backend import Backend, BackendError, Generation, Prompt
 from .chat_template import ChatRenderer
 from .choices import ChoiceDecision, ChoicesMethod, TokenLogprobs
-from .http_client import DEFAULT_TIMEOUT_S, HttpClient, HttpStatusError
+from .http_client import DEFAULT_TIMEOUT_S, AsyncHttpClient, HttpClient, HttpStatusError
 from .sampling import SglSamplingParams
 from .tokenizer import ClientTokenizer, load_client_tokenizer, render_chat_template
 
@@ -41,13 +42,20 @@ class RuntimeEndpoint(Backend):
     """A running server at `base_url` (checked now through /get_model_info).
 
     tokenizer_path: a tokenizer on this machine to tokenize with and take the chat template
-    from, instead of asking the server."""
+    from, instead of asking the server.
+    sessions: whether each running program keeps its prefix protected on the server between
+    its calls (docs/sessions.md); None: when the server offers program sessions."""
 
     def __init__(self, base_url: str, api_key: str | None = None, *, tokenizer_path: str | None = None,
-                 timeout: float = DEFAULT_TIMEOUT_S):
+                 timeout: float = DEFAULT_TIMEOUT_S, sessions: bool | None = None):
         self.base_url = base_url.rstrip("/")
         self._http = HttpClient(self.base_url, api_key, timeout)
+        self._ahttp = AsyncHttpClient(self.base_url, api_key, timeout)
         self.model_info: dict[str, Any] = self._http.get("/get_model_info")
+        offered = bool(self.model_info.get("program_sessions"))
+        if sessions and not offered:
+            raise BackendError(f"sessions=True: the server at {self.base_url} offers no program sessions")
+        self.sessions = offered if sessions is None else sessions
         self._tokenizer_path = tokenizer_path
         self._local_tokenizer: ClientTokenizer | None = None
         self._tokenizer_lock = threading.Lock()
@@ -68,6 +76,21 @@ class RuntimeEndpoint(Backend):
     def cache_prefix(self, text: str) -> None:
         if text:
             self._http.post("/generate", {"text": text, "sampling_params": _PREFILL_ONLY})
+
+    async def acache_prefix(self, text: str) -> None:
+        if text:
+            await self._ahttp.post("/generate", {"text": text, "sampling_params": _PREFILL_ONLY})
+
+    # ---- program sessions --------------------------------------------------------------------
+
+    def session_id(self) -> str | None:
+        return f"prog-{uuid.uuid4().hex}" if self.sessions else None
+
+    def end_session(self, session_id: str) -> None:
+        self._http.post("/end_session", {"session_id": session_id})
+
+    async def aend_session(self, session_id: str) -> None:
+        await self._ahttp.post("/end_session", {"session_id": session_id})
 
     # ---- token ids and chat template ------------------------------------------------------
 
@@ -126,10 +149,29 @@ class RuntimeEndpoint(Backend):
             yield text[sent:], event.get("meta_info", {})
             sent = len(text)
 
+    async def agenerate(self, prompt: Prompt, params: SglSamplingParams) -> Generation:
+        out = await self._ahttp.post("/generate", self._body(prompt, params))
+        results = out if isinstance(out, list) else [out]
+        return Generation([r["text"] for r in results], [r["meta_info"] for r in results])
+
+    async def agenerate_stream(self, prompt: Prompt,
+                               params: SglSamplingParams) -> AsyncIterator[tuple[str, dict[str, Any]]]:
+        sent = 0
+        async for event in self._ahttp.post_sse("/generate", {**self._body(prompt, params), "stream": True}):
+            text = event.get("text", "")
+            yield text[sent:], event.get("meta_info", {})
+            sent = len(text)
+
+    async def aget_chat_template(self) -> ChatRenderer:
+        return self.get_chat_template()  # model_info is already here; a local tokenizer loads once
+
     @staticmethod
     def _body(prompt: Prompt, params: SglSamplingParams) -> dict[str, Any]:
-        return {"text": prompt.text, "sampling_params": params.wire_sampling(), **params.wire_logprob(),
+        body = {"text": prompt.text, "sampling_params": params.wire_sampling(), **params.wire_logprob(),
                 **_adapter(prompt)}
+        if prompt.session_id is not None:
+            body["session_id"] = prompt.session_id
+        return body
 
     # ---- select ----------------------------------------------------------------------------
 
