@@ -1,5 +1,5 @@
 """Small JSON/SSE HTTP clients: HttpClient on the standard library (threads block in it), and
-AsyncHttpClient on httpx for asyncio programs (one connection pool per event loop; imported
+AsyncHttpClient on aiohttp for asyncio programs (one connection pool per event loop; imported
 only when an async program runs, so `import radixlm` stays cheap).
 
 Every failure becomes a BackendError carrying the server's own message (`{"error":
@@ -84,26 +84,35 @@ _MAX_CONNECTIONS = 1024
 
 class AsyncHttpClient:
     """The asyncio twin of HttpClient: same paths, bodies and errors. A cancelled call closes
-    its connection, which the server takes as the client leaving: it aborts the request."""
+    its connection, which the server takes as the client leaving: it aborts the request.
+
+    On aiohttp: httpx's pool (httpcore 1.0) scans every connection for every request, so at
+    256 concurrent programs this client spent 9x the CPU of the thread-pool runner's urllib
+    (benchmarks/bench_agents.py --part runner)."""
 
     def __init__(self, base_url: str, api_key: str | None = None, timeout: float = DEFAULT_TIMEOUT_S):
         self.base_url = base_url.rstrip("/")
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.timeout = timeout
-        self._client: Any = None
+        self._session: Any = None
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._holder: Any = None  # the async generator that closes the pool with its loop
 
-    def _pool(self) -> Any:
-        # A pool belongs to the loop it was made on; asyncio.run() makes a new loop each time.
+    async def _pool(self) -> Any:
+        # A pool belongs to the loop it was made on (asyncio.run() makes a new loop each time)
+        # and is closed when that loop shuts down: the loop closes the async generators begun
+        # in it (shutdown_asyncgens), and one of them holds the pool.
         loop = asyncio.get_running_loop()
-        if self._client is None or self._loop is not loop:
-            import httpx
+        if self._session is None or self._loop is not loop:
+            import aiohttp
 
-            limits = httpx.Limits(max_connections=_MAX_CONNECTIONS, max_keepalive_connections=_MAX_CONNECTIONS)
-            self._client = httpx.AsyncClient(base_url=self.base_url, headers=self.headers, limits=limits,
-                                             timeout=self.timeout)
+            connector = aiohttp.TCPConnector(limit=_MAX_CONNECTIONS, ttl_dns_cache=None)
+            self._session = aiohttp.ClientSession(self.base_url, headers=self.headers, connector=connector,
+                                                  timeout=aiohttp.ClientTimeout(total=self.timeout))
             self._loop = loop
-        return self._client
+            self._holder = _closed_with_loop(self._session)
+            await self._holder.__anext__()
+        return self._session
 
     async def get(self, path: str) -> Any:
         return _json_of(await self._send("GET", path, None))
@@ -112,37 +121,45 @@ class AsyncHttpClient:
         return _json_of(await self._send("POST", path, body))
 
     async def post_sse(self, path: str, body: Any) -> AsyncIterator[Any]:
-        import httpx
+        import aiohttp
 
         try:
-            async with self._pool().stream("POST", path, json=body) as response:
-                if response.status_code >= 400:
-                    await response.aread()
-                    raise HttpStatusError(_message_of(response.status_code, response.content), response.status_code)
-                async for line in response.aiter_lines():
-                    event = _sse_event(line)
+            async with (await self._pool()).post(path, json=body) as response:
+                if response.status >= 400:
+                    raise HttpStatusError(_message_of(response.status, await response.read()), response.status)
+                async for raw in response.content:
+                    event = _sse_event(raw.decode("utf-8"))
                     if event is _DONE:
                         return
                     if event is not None:
                         yield event
-        except httpx.TransportError as e:
+        except (aiohttp.ClientConnectionError, asyncio.TimeoutError) as e:
             raise BackendError(f"cannot reach the server at {self.base_url}: {e!r}") from None
 
     async def _send(self, method: str, path: str, body: Any) -> bytes:
-        import httpx
+        import aiohttp
 
         try:
-            response = await self._pool().request(method, path, json=body)
-        except httpx.TransportError as e:
+            async with (await self._pool()).request(method, path, json=body) as response:
+                content = await response.read()
+        except (aiohttp.ClientConnectionError, asyncio.TimeoutError) as e:
             raise BackendError(f"cannot reach the server at {self.base_url}: {e!r}") from None
-        if response.status_code >= 400:
-            raise HttpStatusError(_message_of(response.status_code, response.content), response.status_code)
-        return response.content
+        if response.status >= 400:
+            raise HttpStatusError(_message_of(response.status, content), response.status)
+        return content
 
     async def aclose(self) -> None:
-        if self._client is not None and self._loop is asyncio.get_running_loop():
-            await self._client.aclose()
-        self._client = self._loop = None
+        """Closes this loop's pool now (otherwise: when the loop shuts down)."""
+        if self._session is not None and self._loop is asyncio.get_running_loop():
+            await self._holder.aclose()
+        self._session = self._loop = self._holder = None
+
+
+async def _closed_with_loop(session: Any) -> AsyncIterator[None]:
+    try:
+        yield
+    finally:
+        await session.close()
 
 
 _DONE = object()

@@ -162,6 +162,10 @@ class RuntimeEndpoint(Backend):
             yield text[sent:], event.get("meta_info", {})
             sent = len(text)
 
+    async def aclose(self) -> None:
+        """Closes this event loop's connection pool now (it closes with its loop otherwise)."""
+        await self._ahttp.aclose()
+
     async def aget_chat_template(self) -> ChatRenderer:
         return self.get_chat_template()  # model_info is already here; a local tokenizer loads once
 
