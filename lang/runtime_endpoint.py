@@ -171,11 +171,8 @@ class RuntimeEndpoint(Backend):
 
     @staticmethod
     def _body(prompt: Prompt, params: SglSamplingParams) -> dict[str, Any]:
-        body = {"text": prompt.text, "sampling_params": params.wire_sampling(), **params.wire_logprob(),
-                **_adapter(prompt)}
-        if prompt.session_id is not None:
-            body["session_id"] = prompt.session_id
-        return body
+        return {"text": prompt.text, "sampling_params": params.wire_sampling(), **params.wire_logprob(),
+                **_adapter(prompt), **_session(prompt)}
 
     # ---- select ----------------------------------------------------------------------------
 
@@ -185,18 +182,20 @@ class RuntimeEndpoint(Backend):
         ids = self.tokenize([prompt.text] + [prompt.text + c for c in choices])
         adapter = _adapter(prompt)  # every scoring call runs on the prompt's adapter
         if ids is not None:
-            logprobs, choice_ids = self._score_with_ids(ids[0], ids[1:], adapter)
+            logprobs, choice_ids = self._score_with_ids(ids[0], ids[1:], adapter, _session(prompt))
         else:
-            logprobs, choice_ids = self._score_with_text(prompt.text, choices, adapter)
+            logprobs, choice_ids = self._score_with_text(prompt.text, choices, adapter, _session(prompt))
         unconditional = self._unconditional(choice_ids, adapter) if method.requires_unconditional_logprobs else None
         return method(choices, logprobs, unconditional, temperature)
 
-    def _score_with_ids(self, prompt_ids: list[int], seqs: list[list[int]],
-                        adapter: dict[str, str]) -> tuple[list[TokenLogprobs], list[list[int]]]:
-        """prompt_ids: the prompt's ids; seqs: those of prompt + each choice."""
+    def _score_with_ids(self, prompt_ids: list[int], seqs: list[list[int]], adapter: dict[str, str],
+                        session: dict[str, str]) -> tuple[list[TokenLogprobs], list[list[int]]]:
+        """prompt_ids: the prompt's ids; seqs: those of prompt + each choice. The prompt's
+        prefill carries the program's session (the choices branch off it)."""
         # Position 0 has no logprob, and every choice keeps at least one token.
         starts = [max(1, min(_common_prefix_len(prompt_ids, s), len(s) - 1)) for s in seqs]
-        self._http.post("/generate", {"input_ids": prompt_ids, "sampling_params": _PREFILL_ONLY, **adapter})
+        self._http.post("/generate", {"input_ids": prompt_ids, "sampling_params": _PREFILL_ONLY, **adapter,
+                                      **session})
         first = min(starts)
         results = self._prefill_batch({"input_ids": seqs, **_per_prompt(adapter, len(seqs))}, first)
         logprobs = []
@@ -208,9 +207,9 @@ class RuntimeEndpoint(Backend):
             logprobs.append([(lp, tid) for lp, tid, *_ in entries[start - first:]])
         return logprobs, [seq[start:] for seq, start in zip(seqs, starts)]
 
-    def _score_with_text(self, text: str, choices: list[str],
-                         adapter: dict[str, str]) -> tuple[list[TokenLogprobs], list[list[int]]]:
-        warm = self._http.post("/generate", {"text": text, "sampling_params": _PREFILL_ONLY, **adapter})
+    def _score_with_text(self, text: str, choices: list[str], adapter: dict[str, str],
+                         session: dict[str, str]) -> tuple[list[TokenLogprobs], list[list[int]]]:
+        warm = self._http.post("/generate", {"text": text, "sampling_params": _PREFILL_ONLY, **adapter, **session})
         first = max(1, warm["meta_info"]["prompt_tokens"] - _BOUNDARY_WINDOW)
         results = self._prefill_batch({"text": [text] + [text + c for c in choices],
                                        **_per_prompt(adapter, len(choices) + 1)}, first)
@@ -246,6 +245,11 @@ class RuntimeEndpoint(Backend):
 def _adapter(prompt: Prompt) -> dict[str, str]:
     """The body field naming the prompt's LoRA adapter, if it has one."""
     return {"lora_path": prompt.lora_path} if prompt.lora_path is not None else {}
+
+
+def _session(prompt: Prompt) -> dict[str, str]:
+    """The body field naming the running program's session, if it keeps one."""
+    return {"session_id": prompt.session_id} if prompt.session_id is not None else {}
 
 
 def _per_prompt(adapter: dict[str, str], count: int) -> dict[str, list[str]]:
