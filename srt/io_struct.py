@@ -32,6 +32,7 @@ class TokenizedGenerateReq:
     stream: bool = False
     cache_salt: str | None = None  # prefixes are shared only between requests with the same salt
     lora_path: str | None = None  # the LoRA adapter's name (--enable-lora); None: the base model
+    session_id: str | None = None  # the program session whose latest prefix stays cached (sessions.py)
 
 
 @dataclass(frozen=True)
@@ -44,7 +45,7 @@ class AbortReq:
 class ControlReq:
     """A request for the scheduler's state, or a change to it: kind is "flush_cache",
     "flush_cache_storage" (the disk tier too), "server_info", "load_lora_adapter" (args:
-    lora_name, lora_path) or "unload_lora_adapter" (args: lora_name)."""
+    lora_name, lora_path), "unload_lora_adapter" (args: lora_name) or "end_session" (args: session_id)."""
 
     kind: str
     request_id: str

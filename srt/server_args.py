@@ -254,6 +254,22 @@ class LoRASettings(Section):
                              f"{len(self.lora_paths)} --lora-paths")
 
 
+SESSION_TOTAL_SHARE = 0.5  # of the KV pool, protected for sessions when --session-total-tokens is unset
+
+
+@dataclass(frozen=True)
+class SessionSettings(Section):
+    """Program sessions: the latest prefix of a session's calls kept cached between them (docs/sessions.md)."""
+
+    session_ttl: float = setting(300.0, "seconds a session's prefix stays protected after its last call; 0: "
+                                        "sessions protect nothing", min=0.0)
+    session_max_tokens: int | None = setting(None, "tokens one session protects at most (the head of its prefix); "
+                                                   "unset: the total bound", min=1)
+    session_total_tokens: int | None = setting(None, "tokens all sessions protect together at most; unset: half "
+                                                     "the KV pool (the other half stays plain cache and room for "
+                                                     "running requests)", min=0)
+
+
 def split_addr(addr: str) -> tuple[str, int]:
     """(host, port) of a host:port address ([::1]:port for IPv6)."""
     host, sep, port = addr.rpartition(":")
@@ -336,7 +352,8 @@ class APISettings(Section):
 
 SECTIONS: dict[str, type[Section]] = {
     "model": ModelSettings, "cache": CacheSettings, "scheduler": SchedulerSettings, "executor": ExecutorSettings,
-    "speculative": SpeculativeSettings, "lora": LoRASettings, "parallel": ParallelSettings, "http": HTTPSettings, "api": APISettings,
+    "speculative": SpeculativeSettings, "lora": LoRASettings, "session": SessionSettings, "parallel": ParallelSettings,
+    "http": HTTPSettings, "api": APISettings,
 }
 # Flat setting name -> its section, for the command line and Engine(**kwargs).
 SECTION_OF: dict[str, str] = {f.name: name for name, cls in SECTIONS.items() for f in dataclasses.fields(cls)}
@@ -344,7 +361,7 @@ SECTION_OF: dict[str, str] = {f.name: name for name, cls in SECTIONS.items() for
 
 class ServerArgs:
     """Every setting, by section: `args.model`, `args.cache`, `args.scheduler`, `args.executor`,
-    `args.speculative`, `args.lora`, `args.parallel`, `args.http`, `args.api`. Made from flat names, as
+    `args.speculative`, `args.lora`, `args.session`, `args.parallel`, `args.http`, `args.api`. Made from flat names, as
     SGLang's ServerArgs and `Engine(**kwargs)` take them: `ServerArgs(max_total_tokens=4096)`;
     raises ValueError naming an unknown setting or a bad value. Immutable; sent to a child
     process as `to_dict()`."""
@@ -367,6 +384,7 @@ class ServerArgs:
     executor: ExecutorSettings
     speculative: SpeculativeSettings
     lora: LoRASettings
+    session: SessionSettings
     parallel: ParallelSettings
     http: HTTPSettings
     api: APISettings

@@ -53,6 +53,7 @@ class Req:
     adapter_uid: str | None = None  # that adapter's digest (srt/lora/slots.py)
     adapter_slot: int | None = None  # the device slot holding it, while the request is admitted
     stream: bool = False  # send outputs every step, not only at the end
+    session_id: str | None = None  # its program session (srt/scheduler/sessions.py)
     output_ids: list[int] = field(default_factory=list)
     finish_reason: FinishReason | None = None
     grammar: Any = None  # the GrammarMatcher, once the request's grammar compiled
@@ -89,7 +90,7 @@ class Req:
             raise ValueError(f"sampling_params: {e}") from None
         return cls(rid=msg.rid, origin_input_ids=list(msg.input_ids), sampling_params=sp,
                    logprob=LogprobOptions(msg.return_logprob, msg.logprob_start_len, msg.top_logprobs_num),
-                   namespace=msg.cache_salt, stream=msg.stream)
+                   namespace=msg.cache_salt, stream=msg.stream, session_id=msg.session_id)
 
     @property
     def fill_ids(self) -> list[int]:

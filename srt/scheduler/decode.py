@@ -128,17 +128,14 @@ class DecodeManager:
 
     def plan(self) -> StepPlan | None:
         """The decode step for every running request that does not surely end with its pending
-        token, making room for its new tokens by eviction, then by retracting the newest
-        requests (only with every newest token on the host: see reads_newest_tokens)."""
+        token, making room for its new tokens by eviction (sessions' protections included), then
+        by retracting the newest requests (only with every newest token on the host: see
+        reads_newest_tokens)."""
         reqs = self._stepping()
         if not reqs:
             return None
-        while True:
-            needed = self._slots_needed(reqs)
-            available = self.kv.allocator.available_size
-            if needed > available:
-                self.kv.tree.evict(needed - available)
-            if needed <= self.kv.allocator.available_size or len(reqs) <= 1:
+        while True:  # sessions' protected prefixes give way before running requests do
+            if self.kv.make_room(self._slots_needed(reqs), release_sessions=True) or len(reqs) <= 1:
                 break
             self.retract(reqs.pop())
             self.new_token_ratio = min(1.0, self.new_token_ratio + RETRACT_RATIO_BUMP)

@@ -53,6 +53,8 @@ class SchedulerLoop:
                 self._drain_requests()
             if self.scheduler.has_work:
                 self.run_step()
+            else:  # steps expire sessions; so does an idle loop, once a poll
+                self.scheduler.sessions.expire()
 
     def run_step(self) -> None:
         try:
@@ -108,6 +110,8 @@ class SchedulerLoop:
         if msg.kind in ("flush_cache", "flush_cache_storage"):
             ok = self.scheduler.flush_cache(include_storage=msg.kind == "flush_cache_storage")
             return ControlReply(msg.request_id, ok, {} if ok else {"message": "requests are running"})
+        if msg.kind == "end_session":
+            return ControlReply(msg.request_id, True, {"ended": self.scheduler.sessions.end(msg.args.get("session_id"))})
         if msg.kind == "server_info":
             return ControlReply(msg.request_id, True, self.scheduler.server_info())
         if msg.kind in ("load_lora_adapter", "unload_lora_adapter"):

@@ -82,7 +82,9 @@ class PrefillManager:
                 self.kv.release(req)  # gives its adapter's slot back
                 break
             extend_len = min(req.seq_len - req.kv_len, budget)
-            slots = self.kv.alloc(req, extend_len, decode_reserve(parts) if newly_admitted else 0)
+            # Sessions' protected prefixes give way only when nothing running would free memory.
+            slots = self.kv.alloc(req, extend_len, decode_reserve(parts) if newly_admitted else 0,
+                                  release_sessions=not parts and num_running == 0)
             if slots is None:
                 if newly_admitted:
                     self.kv.release(req)  # still in `waiting`; it retries when memory frees up

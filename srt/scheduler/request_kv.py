@@ -11,18 +11,20 @@ import numpy as np
 from ...radix import RadixCache
 from .kv_memory import PageAllocator, ReqToTokenTable
 from .kv_tiers import CacheTiers
+from .sessions import Sessions
 from ..core.request import Req
 
 
 class RequestKV:
     def __init__(self, allocator: PageAllocator, req_table: ReqToTokenTable, tree: RadixCache, page_size: int,
-                 tiers: CacheTiers | None = None, adapter_slots=None):
+                 tiers: CacheTiers | None = None, adapter_slots=None, sessions: Sessions | None = None):
         self.allocator = allocator
         self.req_table = req_table
         self.tree = tree
         self.page_size = page_size
         self.tiers = tiers  # the host and disk tiers (kv_tiers.py), with --enable-hierarchical-cache
         self.adapter_slots = adapter_slots  # LoRA device slots (srt/lora/slots.py), with --enable-lora
+        self.sessions = sessions  # program sessions' protected prefixes (sessions.py)
 
     def admit(self, req: Req) -> bool:
         """Takes a table row and locks the longest cached prefix."""
@@ -52,14 +54,22 @@ class RequestKV:
             self.req_table.write(row, 0, match.slot_indices)
         return True
 
-    def alloc(self, req: Req, new_len: int, reserve: int = 0) -> list[int] | None:
-        """KV slots for `new_len` more tokens of `req` (keeping `reserve` free), evicting from the
-        tree when short. None, taking nothing, when they do not fit."""
-        needed = self.allocator.slots_needed(req.kv_len, new_len) + reserve
+    def make_room(self, needed: int, release_sessions: bool = False) -> bool:
+        """Whether `needed` slots are free, evicting from the tree when short; `release_sessions`:
+        then letting go of sessions' protected prefixes too, oldest first (for work that cannot
+        wait for memory, as nothing running would free any: protection never refuses work)."""
         if needed > self.allocator.available_size:
             self.tree.evict(needed - self.allocator.available_size)
-            if needed > self.allocator.available_size:
-                return None
+            while (release_sessions and self.sessions is not None and needed > self.allocator.available_size
+                   and self.sessions.release_oldest()):
+                self.tree.evict(needed - self.allocator.available_size)
+        return needed <= self.allocator.available_size
+
+    def alloc(self, req: Req, new_len: int, reserve: int = 0, release_sessions: bool = False) -> list[int] | None:
+        """KV slots for `new_len` more tokens of `req` (keeping `reserve` free), making room
+        (make_room). None, taking nothing, when they do not fit."""
+        if not self.make_room(self.allocator.slots_needed(req.kv_len, new_len) + reserve, release_sessions):
+            return None
         last = int(self.req_table.table[req.req_pool_idx, req.kv_len - 1]) if req.kv_len else None
         slots = self.allocator.alloc(req.kv_len, new_len, last)
         if slots is not None:
@@ -140,6 +150,8 @@ class RequestKV:
             already = self.tree.insert(req.fill_ids[:req.kv_len], slots[:req.kv_len], namespace=req.namespace)
             self.allocator.free(slots[req.cached_len:already])
             adopted = max(already, self._aligned(req.kv_len) if not self.tree.disable else 0)
+            if finished and req.session_id is not None and self.sessions is not None:
+                self.sessions.keep(req.session_id, req.namespace, req.fill_ids[:req.kv_len])
         self.allocator.free(slots[adopted:])
         self.tree.unlock(req.last_node)
         self.req_table.free(row)

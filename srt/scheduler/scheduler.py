@@ -28,7 +28,7 @@ from ...radix import RadixCache
 from ...radix.tiered import TieredRadixCache
 from ..core.request import FinishReason, Req
 from ..core.step import PendingStep, StepEngine, StepPlan
-from ..server_args import ServerArgs
+from ..server_args import SESSION_TOTAL_SHARE, ServerArgs
 from ..lora.registry import SchedulerAdapters
 from .constraints import ConstrainedDecoding
 from .decode import DecodeManager
@@ -38,6 +38,7 @@ from .kv_tiers import CacheTiers, host_tier_request, make_storage, refuse_unsupp
 from .lockstep import needs_host_tokens
 from .prefill import PrefillManager
 from .request_kv import RequestKV
+from .sessions import Sessions
 
 logger = logging.getLogger(__name__)
 
@@ -81,7 +82,12 @@ class Scheduler:
         # LoRA: which adapters are loaded, and the device slots running requests pin.
         self.adapters = SchedulerAdapters(args.lora, self.engine) if args.lora.enable_lora else None
         slots = self.adapters.slots if self.adapters is not None else None
-        self.kv = RequestKV(self.allocator, self.req_table, self.tree, args.cache.page_size, self.tiers, slots)
+        session = args.session
+        total = session.session_total_tokens
+        total = int(SESSION_TOTAL_SHARE * self.allocator.capacity) if total is None else total
+        self.sessions = Sessions(self.tree, session.session_ttl, min(session.session_max_tokens or total, total), total)
+        self.kv = RequestKV(self.allocator, self.req_table, self.tree, args.cache.page_size, self.tiers, slots,
+                            self.sessions)
         self.prefill = PrefillManager(self.kv, self.tree, args.scheduler, slots)
         self.decode = DecodeManager(self.kv, args.speculative, self.context_len, requeue=self.prefill.requeue)
         self.pending: PendingStep | None = None  # launched, not committed yet
@@ -127,6 +133,8 @@ class Scheduler:
         return self.adapters.unload(name, busy=[r for r in held if r.adapter_name == name])
 
     def add_request(self, req: Req) -> None:
+        if req.session_id is not None and not self.sessions.admit(req.session_id, req.namespace):
+            req.session_id = None  # another namespace's session: it runs without it
         if self.tiers is not None:  # its disk blocks are read while it waits
             self.tiers.prefetch_for(req.rid, req.fill_ids[:-1], req.namespace)
         if req.sampling_params.grammar_spec is None:
@@ -165,6 +173,7 @@ class Scheduler:
             return False
         if self.pending is not None:
             self.step()  # a step of finished requests: its tokens are dropped
+        self.sessions.clear()
         self.tree.reset()
         if self.tiers is not None:
             self.tiers.flush(include_storage)
@@ -187,6 +196,7 @@ class Scheduler:
         """Launches at most one forward and commits the previous one; returns the requests
         that produced a token, prompt logprobs or an ending since the last call."""
         self.decode.drop_finished()  # aborted since the last step
+        self.sessions.expire()
         self._stepped = []
         if self.constraints.compiling:
             ready, failed = self.constraints.poll()
@@ -328,6 +338,7 @@ class Scheduler:
             "cache": self.tree.stats,
             "cache_tiers": self.tier_info(),
             "lora": self.adapters.info() if self.adapters is not None else None,
+            "sessions": self.sessions.info(),
             "context_len": self.context_len,
             "max_total_tokens": self.allocator.capacity,
             "page_size": self.args.cache.page_size,
