@@ -42,28 +42,30 @@ class ChatRenderer:
             roles = [m["role"] for m in messages]
             raise ValueError(f"the {self.name} rejected the roles {roles}: {e}") from None
 
-    def begin(self, messages: list[dict[str, Any]], role: str) -> str:
-        """Text that opens a `role` turn after `messages` (complete turns)."""
+    def begin(self, messages: list[dict[str, Any]], role: str, fields: dict[str, Any] | None = None) -> str:
+        """Text that opens a `role` turn after `messages` (complete turns); `fields`: the
+        message's other keys (a tool result's tool_call_id)."""
         base = self.render(messages)
         if role == "assistant" and messages:
             with_prompt = self.render(messages, add_generation_prompt=True)
             if with_prompt.startswith(base):
                 return with_prompt[len(base):]
-        full = self.render([*messages, {"role": role, "content": _SENTINEL}])
+        full = self.render([*messages, {"role": role, "content": _SENTINEL, **(fields or {})}])
         if not full.startswith(base) or _SENTINEL not in full[len(base):]:
             _warn_unstable(self.name, role)
             return full.split(_SENTINEL, 1)[0][len(_common_prefix(base, full)):]
         return full[len(base):].split(_SENTINEL, 1)[0]
 
-    def end(self, messages: list[dict[str, Any]], role: str, turn_text: str, content: str) -> tuple[str, str]:
-        """Closes a turn. `turn_text` is the text since the turn began (its opening text plus
-        `content`). Returns (text to keep in place of turn_text, text to append): normally
-        (turn_text, closing text); when the template renders the turn differently, the
+    def end(self, messages: list[dict[str, Any]], message: dict[str, Any], turn_text: str) -> tuple[str, str]:
+        """Closes a turn with `message`. `turn_text` is the text since the turn began (its
+        opening text plus the content). Returns (text to keep in place of turn_text, text to
+        append): normally (turn_text, closing text); when the template renders the turn
+        differently (or the message is not the text, as a turn that called tools), the
         template's own rendering replaces it."""
         base = self.render(messages)
-        full = self.render([*messages, {"role": role, "content": content}])
+        full = self.render([*messages, message])
         if not full.startswith(base):
-            _warn_unstable(self.name, role)
+            _warn_unstable(self.name, message["role"])
             return turn_text, ""
         rendered = full[len(base):]
         if rendered.startswith(turn_text):

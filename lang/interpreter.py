@@ -17,7 +17,7 @@ from .backend import Backend, BackendError, Generation, Prompt
 from .chat_template import ChatRenderer
 from .choices import ChoiceDecision
 from .ir import (CommitPrefix, Constant, Expr, ExprList, Gen, RoleBegin, RoleEnd, Select,
-                 VarScopeBegin, VarScopeEnd, names_in)
+                 VarScopeBegin, VarScopeEnd, names_in, reasoning_name)
 from .sampling import SglSamplingParams
 
 _END = object()  # the worker's stop signal
@@ -41,6 +41,7 @@ class StreamExecutor:
         self._chat = chat
         self._role: str | None = None
         self._role_start = self._content_start = 0
+        self._calls: list[tuple[int, int, str | None, list[dict[str, Any]]]] = []  # see _gen_set
         self._scopes: dict[str, int] = {}
         self._pending: dict[str, int] = {}  # submitted names -> how many sets are still to come
         self._cond = threading.Condition()
@@ -176,6 +177,7 @@ class StreamExecutor:
             child.text_, child.messages_ = self.text_, list(self.messages_)
             child.variables, child.meta_info = dict(self.variables), dict(self.meta_info)
             child._role, child._role_start, child._content_start = self._role, self._role_start, self._content_start
+            child._calls = list(self._calls)
             branches.append(child)
         self.children.extend(branches)
         return branches
@@ -209,9 +211,9 @@ class StreamExecutor:
         elif isinstance(expr, Select):
             self._select(expr)
         elif isinstance(expr, RoleBegin):
-            self._role_begin(expr.role)
+            self._role_begin(expr.role, expr.call_id)
         elif isinstance(expr, RoleEnd):
-            self._role_end(expr.role)
+            self._role_end(expr.role, expr.call_id)
         elif isinstance(expr, VarScopeBegin):
             self._scopes[expr.name] = len(self.text_)
         elif isinstance(expr, VarScopeEnd):
@@ -257,7 +259,26 @@ class StreamExecutor:
 
     def _gen_request(self, expr: Gen) -> tuple[Prompt, SglSamplingParams]:
         params = self.defaults.merged(expr.params)
+        if expr.reader is not None:
+            if expr.reader.tools is not None:
+                self._render_tools(expr.reader.chat(self.backend))
+            params = expr.reader.constrain(params)
         return self._prompt(params.lora_path), params
+
+    def _render_tools(self, chat: ChatRenderer) -> None:
+        """The conversation so far, rendered with the gen's tools as /v1/chat/completions renders
+        it (the tools change earlier text, e.g. the system message); later turns render so too."""
+        if self._role != "assistant":
+            raise ValueError("gen(tools=...) generates an assistant turn: s += assistant(gen(\"call\", tools=[...]))")
+        if self.text_[:self._role_start] != self._renderer().render(self.messages_):
+            raise ValueError("gen(tools=...) renders the conversation again with the tools, so the program's text "
+                             "before this turn must be chat turns only")
+        before = chat.render(self.messages_)
+        opening = before + chat.begin(self.messages_, "assistant")
+        with self._cond:
+            self.text_ = opening + self.text_[self._content_start:]
+            self._role_start, self._content_start, self._chat = len(before), len(opening), chat
+            self._cond.notify_all()
 
     def _streams(self, params: SglSamplingParams) -> bool:
         return self.stream and (params.n or 1) == 1
@@ -267,13 +288,30 @@ class StreamExecutor:
         one = len(result.texts) == 1 and (params.n or 1) == 1
         value = result.texts[0] if one else result.texts
         meta = result.meta_infos[0] if one and result.meta_infos else result.meta_infos
-        self._set(expr.name, value, meta)
+        self._gen_set(expr, value, meta)
 
     def _gen_streamed(self, expr: Gen, chunks: Iterator[tuple[str, dict[str, Any]]]) -> None:
         value, meta = "", None
         self._stream_begin(expr.name)
         for delta, meta in chunks:
             value = self._stream_delta(expr.name, value, delta)
+        self._gen_set(expr, value, meta)
+
+    def _gen_set(self, expr: Gen, value: Any, meta: Any) -> None:
+        """Sets a gen's variable (its output ends the text by now). With separate_reasoning it
+        holds the answer, the think block going to `<name>_reasoning_content`; with tools, the
+        calls ([] when the model answered in text: that text stays the turn's content). Calls are
+        kept with the output's place in the turn, which its message replaces by the content."""
+        if expr.reader is None:
+            self._set(expr.name, value, meta)
+            return
+        start = len(self.text_) - len(value)
+        value, message = expr.reader.read(value, self.text_[:start], self._chat)
+        if expr.reader.reasoning is not None:
+            self._set(reasoning_name(expr.name), message["reasoning_content"], meta)
+        if message.get("tool_calls"):
+            self._calls.append((start - self._content_start, len(self.text_) - self._content_start,
+                                message["content"], message["tool_calls"]))
         self._set(expr.name, value, meta)
 
     def _stream_begin(self, name: str | None) -> None:
@@ -310,21 +348,35 @@ class StreamExecutor:
             self._chat = self.backend.get_chat_template()
         return self._chat
 
-    def _role_begin(self, role: str) -> None:
+    def _role_begin(self, role: str, call_id: str | None = None) -> None:
         if self._role is not None:
             raise ValueError(f"a {role} turn cannot begin inside the open {self._role} turn (roles do not nest)")
-        prefix = self._renderer().begin(self.messages_, role)
+        if call_id is not None and call_id not in {c["id"] for m in self.messages_ for c in m.get("tool_calls", ())}:
+            raise ValueError(f"tool(call_id={call_id!r}): no earlier assistant turn made a call with this id")
+        prefix = self._renderer().begin(self.messages_, role, {"tool_call_id": call_id} if call_id else None)
         self._role_start = len(self.text_)
         self._append(prefix)
-        self._role, self._content_start = role, len(self.text_)
+        self._role, self._content_start, self._calls = role, len(self.text_), []
 
-    def _role_end(self, role: str) -> None:
+    def _role_end(self, role: str, call_id: str | None = None) -> None:
         if self._role != role:
             raise ValueError(f"{role}_end() without a matching {role}_begin() (open turn: {self._role})")
-        content = self.text_[self._content_start:]
-        keep, tail = self._renderer().end(self.messages_, role, self.text_[self._role_start:], content)
+        message = self._turn_message(role, self.text_[self._content_start:], call_id)
+        keep, tail = self._renderer().end(self.messages_, message, self.text_[self._role_start:])
         with self._cond:
             self.text_ = self.text_[:self._role_start] + keep + tail
-            self.messages_.append({"role": role, "content": content})
+            self.messages_.append(message)
             self._role = None
             self._cond.notify_all()
+
+    def _turn_message(self, role: str, content: str, call_id: str | None) -> dict[str, Any]:
+        """A tool result names the call it answers; an assistant turn that made calls holds
+        them, its content being the turn's text with each calling output replaced by what the
+        model wrote besides the calls (as /v1/chat/completions returns the message)."""
+        if call_id is not None:
+            return {"role": role, "content": content, "tool_call_id": call_id}
+        if not self._calls:
+            return {"role": role, "content": content}
+        for start, end, text, _ in reversed(self._calls):
+            content = content[:start] + (text or "") + content[end:]
+        return {"role": role, "content": content or None, "tool_calls": [c for *_, calls in self._calls for c in calls]}

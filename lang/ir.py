@@ -6,11 +6,15 @@ concatenates expressions and strings into an `ExprList`, so `s += "Q: " + gen("a
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
-from typing import Any, Union
+from typing import TYPE_CHECKING, Any, Union
 
 from .choices import ChoicesMethod, token_length_normalized
 from .sampling import SglSamplingParams
+
+if TYPE_CHECKING:
+    from .tools import OutputReader
 
 
 class Expr:
@@ -37,6 +41,11 @@ class ExprList(Expr):
 class Gen(Expr):
     name: str | None
     params: SglSamplingParams
+    reader: OutputReader | None = None  # tools / separate_reasoning: what to read from the output
+
+    @property
+    def tools(self) -> Any:
+        return self.reader.tools if self.reader is not None else None
 
 
 @dataclass(eq=False)
@@ -51,11 +60,13 @@ class Select(Expr):
 @dataclass(eq=False)
 class RoleBegin(Expr):
     role: str
+    call_id: str | None = None  # a tool result's: the call it answers
 
 
 @dataclass(eq=False)
 class RoleEnd(Expr):
     role: str
+    call_id: str | None = None
 
 
 @dataclass(eq=False)
@@ -95,6 +106,8 @@ def names_in(expr: Expr) -> list[str]:
     """Variable names an expression will set (so readers can wait for them)."""
     if isinstance(expr, ExprList):
         return [n for item in expr.items for n in names_in(item)]
+    if isinstance(expr, Gen) and expr.name is not None and expr.reader is not None and expr.reader.reasoning:
+        return [expr.name, reasoning_name(expr.name)]
     if isinstance(expr, (Gen, Select)) and expr.name is not None:
         return [expr.name]
     if isinstance(expr, VarScopeEnd):
@@ -105,11 +118,22 @@ def names_in(expr: Expr) -> list[str]:
 # ---- the public constructors ------------------------------------------------------------------
 
 def gen(name: str | None = None, max_tokens: int | None = None, *, choices: list[str] | None = None,
-        choices_method: ChoicesMethod | None = None, **params: Any) -> Expr:
+        choices_method: ChoicesMethod | None = None, tools: list[Any] | None = None, tool_choice: Any = None,
+        **params: Any) -> Expr:
     """Generate text into variable `name`. Keywords are sampling parameters (`stop`,
     `temperature`, `top_p`, `top_k`, `min_p`, `n`, `min_tokens`, `ignore_eos`, `return_logprob`,
     `regex`, ..., and `lora_path`: the LoRA adapter to generate with); they override the run's.
-    With `choices`, this is `select`."""
+    With `choices`, this is `select`. With `tools` (OpenAI-style dicts, pydantic model classes
+    or functions) and `tool_choice` ("auto", "required", "none" or {"type": "function",
+    "function": {"name": ...}}), an assistant turn that may call them: the variable holds the
+    calls, [{"id", "name", "arguments": dict}] ([] when the model answers in text)."""
+    if tools is not None or tool_choice is not None:
+        if choices is not None or tools is None:
+            raise TypeError("gen(tool_choice=...) needs tools=[...], and gen(choices=...) takes no tools")
+        from .tools import tools_reader  # loads the server's tool-call code: only programs with tools need it
+
+        sampling = SglSamplingParams.from_kwargs({"max_new_tokens": max_tokens, **params}, "gen")
+        return Gen(name, sampling, tools_reader(tools, tool_choice))
     if choices is not None:
         temperature = params.pop("temperature", None)
         lora_path = params.pop("lora_path", None)
@@ -164,6 +188,29 @@ def user(expr: ExprLike | None = None) -> ExprList:
 
 def assistant(expr: ExprLike | None = None) -> ExprList:
     return _role("assistant", expr)
+
+
+def tool(result: Any, *, call_id: str) -> ExprList:
+    """A tool's result (text, or a value written as JSON) answering the call `call_id` (an
+    "id" from a gen with tools), as the chat template renders a tool message."""
+    if not isinstance(call_id, str):
+        raise TypeError(f"tool: call_id must be the id of a call (a str), got {call_id!r}")
+    text = result if isinstance(result, str) else json.dumps(result, ensure_ascii=False)
+    return ExprList([RoleBegin("tool", call_id), Constant(text), RoleEnd("tool", call_id)])
+
+
+def separate_reasoning(expr: Gen, model_type: str) -> Gen:
+    """`expr` whose think block is split off: its variable holds the answer, and
+    `<name>_reasoning_content` the reasoning (model_type: "qwen3" or "deepseek-r1")."""
+    if not isinstance(expr, Gen) or expr.name is None:
+        raise TypeError("separate_reasoning: wraps a named gen, as separate_reasoning(gen(\"x\"), model_type=...)")
+    from .tools import reasoning_reader  # the server's think-block code, loaded only when used
+
+    return Gen(expr.name, expr.params, reasoning_reader(expr.reader, model_type))
+
+
+def reasoning_name(name: str) -> str:
+    return f"{name}_reasoning_content"
 
 
 def system_begin() -> RoleBegin:

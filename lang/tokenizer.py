@@ -62,12 +62,12 @@ class DirTokenizer:
 
 
 def render_chat_template(template: str, special_tokens: dict[str, str], messages: list[dict[str, Any]],
-                         add_generation_prompt: bool) -> str:
+                         add_generation_prompt: bool, tools: list[dict[str, Any]] | None = None) -> str:
     """Renders a Jinja chat template as transformers' apply_chat_template does (same helpers,
-    same special-token variables), without loading a tokenizer."""
+    same special-token variables, the same `tools` argument), without loading a tokenizer."""
     from transformers.utils.chat_template_utils import render_jinja_template
 
-    rendered, _ = render_jinja_template(conversations=[messages], chat_template=template,
+    rendered, _ = render_jinja_template(conversations=[messages], tools=tools, chat_template=template,
                                         add_generation_prompt=add_generation_prompt, **special_tokens)
     return rendered[0]
 
