@@ -66,6 +66,15 @@ def check_cache_salt(cache_salt: Any) -> str | None:
     return cache_salt
 
 
+MAX_SESSION_ID_CHARS = 128
+
+
+def check_session_id(session_id: Any) -> str | None:
+    if session_id is not None and (not isinstance(session_id, str) or not 0 < len(session_id) <= MAX_SESSION_ID_CHARS):
+        raise ValueError(f"session_id: must be a non-empty string of at most {MAX_SESSION_ID_CHARS} characters")
+    return session_id
+
+
 def deterministic_seed(args: Any) -> int | None:
     """The seed of requests that name none: --random-seed under --enable-deterministic-inference,
     else none (each such request samples freshly)."""
@@ -80,15 +89,18 @@ class Intake:
     """Validates requests against one model (its tokenizer, vocabulary and context length)."""
 
     def __init__(self, tokenizer: Any, vocab_size: int, context_len: int, default_seed: int | None = None,
-                 adapters: Callable[[], Collection[str]] | None = None):
+                 adapters: Callable[[], Collection[str]] | None = None, sessions: Any = None):
         """default_seed: the seed of a request that names none (--enable-deterministic-inference
         gives every request one, so that the same request gets the same answer).
-        adapters: the names of the LoRA adapters requests may name now (None: no --enable-lora)."""
+        adapters: the names of the LoRA adapters requests may name now (None: no --enable-lora).
+        sessions: who owns which session id (server/session_routes.py's SessionOwners: its
+        `claim(session_id, tenant)` raises ValueError for another tenant's); None: not checked."""
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.context_len = context_len
         self.default_seed = default_seed
         self.adapters = adapters
+        self.sessions = sessions
 
     def lora_path(self, name: Any) -> str | None:
         """A request's adapter: None (the base model) or the name of a loaded one."""
@@ -110,13 +122,15 @@ class Intake:
 
     def samples(self, input_ids: list[int], sampling_params: dict[str, Any] | None, *, rid: Any = None,
                 return_logprob: Any = False, logprob_start_len: Any = None, top_logprobs_num: Any = None,
-                stream: bool = False, cache_salt: Any = None, lora_path: Any = None) -> list[TokenizedGenerateReq]:
+                stream: bool = False, cache_salt: Any = None, lora_path: Any = None,
+                session_id: Any = None) -> list[TokenizedGenerateReq]:
         """One message per sample of one tokenized prompt. With n > 1, sample i gets seed + i and
         rid "{rid}-{i}"; without a rid each sample gets a fresh one."""
         sp = self.sampling_params(input_ids, sampling_params)
         logprob = check_logprob_options(return_logprob, logprob_start_len, top_logprobs_num)
         salt = check_cache_salt(cache_salt)
         lora = self.lora_path(lora_path)
+        session = check_session_id(session_id)
         if rid is not None and not isinstance(rid, str):
             raise ValueError("rid: must be a string")
         out = []
@@ -125,7 +139,9 @@ class Intake:
             out.append(TokenizedGenerateReq(
                 rid=sample_rid, input_ids=input_ids, sampling_params=sp.for_sample(i), return_logprob=logprob[0],
                 logprob_start_len=logprob[1], top_logprobs_num=logprob[2], stream=stream, cache_salt=salt,
-                lora_path=lora))
+                lora_path=lora, session_id=session))
+        if session is not None and self.sessions is not None:  # last: a request refused otherwise claims nothing
+            self.sessions.claim(session, (salt, lora))
         return out
 
     def sampling_params(self, input_ids: list[int], params: Any) -> SamplingParams:

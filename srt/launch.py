@@ -139,6 +139,7 @@ def _launch(args: ServerArgs, sock: Any) -> int:
     from .server.openai_api import register_openai_routes
     from .intake import deterministic_seed
     from .server.lora_routes import AdapterNames
+    from .server.session_routes import SessionOwners
     from .server.tokenizer_manager import TokenizerManager
 
     args = args.replace(**info["device_defaults"])
@@ -148,7 +149,8 @@ def _launch(args: ServerArgs, sock: Any) -> int:
     tm = TokenizerManager(meta.tokenizer, meta.config, info["context_len"], children.addr("scheduler"),
                           children.addr("tokenizer"),
                           max_in_flight=args.scheduler.max_running_requests + args.scheduler.max_queued_requests,
-                          default_seed=deterministic_seed(args), adapters=adapters)
+                          default_seed=deterministic_seed(args), adapters=adapters,
+                          sessions=SessionOwners(args.session.session_ttl))
     state = ServerState(tm, args.model.model_path or meta.model_path, args.to_dict(), warm=False)
     app = create_app(state, args.http.api_key, args.http.max_request_bytes, args.http.rate_limit_rpm,
                      args.api.incremental_streaming_output)

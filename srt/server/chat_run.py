@@ -87,7 +87,8 @@ def _samples(tm: TokenizerManager, body: ChatCompletionRequest, renames: dict[st
     if seed_offset and params.get("seed") is not None:
         params["seed"] += seed_offset
     return samples(tm, ids, params, renames, return_logprob=body.logprobs, top_logprobs_num=body.top_logprobs or 0,
-                   stream=body.stream, cache_salt=body.cache_salt, lora_path=adapter_of(tm, body.model))
+                   stream=body.stream, cache_salt=body.cache_salt, lora_path=adapter_of(tm, body.model),
+                   session_id=body.session_id)
 
 
 @dataclass(frozen=True)

@@ -82,7 +82,8 @@ class Completions:
                                   return_logprob=body.logprobs is not None,
                                   logprob_start_len=0 if body.echo and body.logprobs is not None else -1,
                                   top_logprobs_num=body.logprobs or 0, stream=body.stream,
-                                  cache_salt=body.cache_salt, lora_path=adapter_of(tm, body.model)))
+                                  cache_salt=body.cache_salt, lora_path=adapter_of(tm, body.model),
+                                  session_id=body.session_id))
             if body.echo:
                 echo_texts.append(prompt if isinstance(prompt, str) else tm.tokenizer.decode(ids))
         return _Job(body, groups, echo_texts)

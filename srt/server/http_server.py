@@ -16,6 +16,7 @@ from .errors import error_response
 from .generate_route import json_body
 from .guard import Guard
 from .lora_routes import add_lora_routes
+from .session_routes import add_session_routes
 from .openapi_docs import document_bodies
 from .tokenize_routes import add_tokenize_routes
 from .tokenizer_manager import TokenizerManager
@@ -136,6 +137,7 @@ def create_app(state: ServerState, api_key: str | None, max_request_bytes: int =
         return Response(state.tm.metrics.render(), media_type="text/plain; version=0.0.4")
 
     add_lora_routes(app, lambda: state.tm)
+    add_session_routes(app, lambda: state.tm)
 
     @app.api_route("/generate", methods=["POST", "PUT"])
     async def generate(request: Request) -> Response:

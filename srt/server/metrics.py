@@ -50,6 +50,15 @@ class Metrics:
                                  registry=r)
         self.lora_slot_loads = Gauge("radixlm_lora_slot_loads", "Adapters copied into a device slot since start",
                                      registry=r)
+        # Program sessions (docs/sessions.md): the scheduler's running totals become counter increments.
+        self.session_protected = Gauge("radixlm_session_protected_tokens",
+                                       "Tokens of sessions' prefixes protected from eviction", registry=r)
+        self.sessions_active = Gauge("radixlm_sessions_active", "Live program sessions", registry=r)
+        self.session_expiries = Counter("radixlm_session_expiries", "Sessions ended by --session-ttl", registry=r)
+        self.session_releases = Counter("radixlm_session_releases", "Sessions' protections let go before their end: "
+                                        "budget (--session-total-tokens), pressure (evicted for running work)",
+                                        ["reason"], registry=r)
+        self._session_totals: dict[str, int] = {}
 
     def on_request_end(self, state: Any) -> None:
         """`state`: the tokenizer manager's record of a request that ended (finished or not)."""
@@ -88,6 +97,15 @@ class Metrics:
             self.lora_loaded.set(len(lora["loaded"]))
             self.lora_pinned.set(lora["pinned_slots"])
             self.lora_slot_loads.set(lora["slot_loads"])
+        sessions = info.get("sessions")
+        if sessions:
+            self.session_protected.set(sessions["protected_tokens"])
+            self.sessions_active.set(sessions["active"])
+            for key, counter in (("expired", self.session_expiries),
+                                 ("budget_releases", self.session_releases.labels(reason="budget")),
+                                 ("pressure_releases", self.session_releases.labels(reason="pressure"))):
+                counter.inc(max(0, sessions[key] - self._session_totals.get(key, 0)))
+                self._session_totals[key] = sessions[key]
         tiers = info.get("cache_tiers", {})
         figures = {"device": {"capacity_tokens": "capacity_tokens", "used_tokens": "cached_tokens"},
                    "host": {"capacity_tokens": "capacity_tokens", "used_tokens": "used_tokens",

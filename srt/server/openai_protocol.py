@@ -110,6 +110,7 @@ class _SamplingBody(_Body):
     stream_options: StreamOptions | None = None
     user: str | None = None
     cache_salt: str | None = None  # vLLM's: prefixes are shared only between requests with the same salt
+    session_id: str | None = None  # ours: the program session whose latest prefix stays cached (docs/sessions.md)
     # SGLang extras.
     top_k: int | None = None
     min_p: float | None = None

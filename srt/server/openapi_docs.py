@@ -33,6 +33,8 @@ class GenerateRequest(_Doc):
     cache_salt: str | None = None
     lora_path: str | None | list[str | None] = Field(
         None, description="a LoRA adapter's name (--enable-lora), or one per prompt; null: the base model")
+    session_id: str | None = Field(None, min_length=1, max_length=128,
+                                   description="the program session whose latest prefix stays cached")
 
 
 class LoadLoRARequest(_Doc):
@@ -42,6 +44,10 @@ class LoadLoRARequest(_Doc):
 
 class UnloadLoRARequest(_Doc):
     lora_name: str
+
+
+class EndSessionRequest(_Doc):
+    session_id: str = Field(min_length=1, max_length=128)
 
 
 class AbortRequest(_Doc):
@@ -62,7 +68,8 @@ def _bodies() -> dict[str, type[BaseModel]]:
     return {"/generate": GenerateRequest, "/abort_request": AbortRequest, "/tokenize": TokenizeRequest,
             "/v1/tokenize": TokenizeRequest, "/v1/completions": CompletionRequest,
             "/v1/chat/completions": ChatCompletionRequest, "/v1/responses": ResponsesRequest,
-            "/load_lora_adapter": LoadLoRARequest, "/unload_lora_adapter": UnloadLoRARequest}
+            "/load_lora_adapter": LoadLoRARequest, "/unload_lora_adapter": UnloadLoRARequest,
+            "/end_session": EndSessionRequest}
 
 
 def document_bodies(app: FastAPI) -> None:

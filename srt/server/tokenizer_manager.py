@@ -108,15 +108,17 @@ class RequestStream:
 class TokenizerManager:
     def __init__(self, tokenizer: Any, model_config: Any, context_len: int, scheduler_addr: str,
                  recv_addr: str, metrics: Metrics | None = None, max_in_flight: int | None = None,
-                 default_seed: int | None = None, adapters: Any = None):
+                 default_seed: int | None = None, adapters: Any = None, sessions: Any = None):
         """adapters: the LoRA adapters requests may name (lora_routes.AdapterNames, with
-        --enable-lora), else None."""
+        --enable-lora), else None. sessions: the owners of session ids
+        (session_routes.SessionOwners), else None (not checked)."""
         self.tokenizer = tokenizer
         self.model_config = model_config
         self.context_len = context_len
         self.adapters = adapters
+        self.sessions = sessions
         self.intake = Intake(tokenizer, model_config.vocab_size, context_len, default_seed,
-                             adapters.usable if adapters is not None else None)
+                             adapters.usable if adapters is not None else None, sessions)
         self.metrics = metrics or Metrics()
         # Running plus waiting requests the server holds at most; beyond it requests get 429.
         self.max_in_flight = max_in_flight
@@ -294,3 +296,5 @@ class TokenizerManager:
             state.ended = True
             self._states.pop(state.rid, None)
             self.metrics.on_request_end(state)
+            if self.sessions is not None and state.msg.session_id is not None:
+                self.sessions.touch(state.msg.session_id)
