@@ -72,6 +72,13 @@ class _TracingBackend(Backend):
             raise _StopTrace("a role (no backend to render it)")
         return self._real.get_chat_template()
 
+    def get_model_info(self) -> dict[str, Any]:
+        """A gen with tools renders the text again with them before it stops the trace."""
+        info = getattr(self._real, "get_model_info", None)
+        if info is None:
+            raise _StopTrace("gen")
+        return info()
+
 
 @dataclass(frozen=True)
 class TraceResult:

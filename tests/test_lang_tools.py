@@ -200,6 +200,8 @@ def test_auto_call_round_trip_renders_as_the_chat_route(template, hf_tokenizer, 
     assert params.json_schema is None
     assert "<tool_response>" in second and "You can call these functions" in second
     assert state.text() == second + "It is 21 degrees.<|im_end|>\n"
+    # run_batch warms the constant prefix: the text up to the first gen, tools and all
+    assert weather_agent.trace(backend=backend, tool_choice="auto").prefix == first
 
 
 def test_required_and_named_calls_are_constrained_and_answers_without_calls(template):
