@@ -181,10 +181,12 @@ def weather_agent(s, tool_choice):
     s += sgl.assistant(sgl.gen("answer", max_tokens=4))
 
 
+CALL = 'Let me look.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_auto_call_round_trip_renders_as_the_chat_route(template, hf_tokenizer, stream):
-    reply = 'Let me look.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
-    backend = Scripted(template, [reply, "It is 21 degrees."])
+    backend = Scripted(template, [CALL, "It is 21 degrees."])
     state = weather_agent.run("auto", backend=backend, stream=stream)
     assert state.error() is None
     [call] = state["call"]
@@ -202,6 +204,57 @@ def test_auto_call_round_trip_renders_as_the_chat_route(template, hf_tokenizer, 
     assert state.text() == second + "It is 21 degrees.<|im_end|>\n"
     # run_batch warms the constant prefix: the text up to the first gen, tools and all
     assert weather_agent.trace(backend=backend, tool_choice="auto").prefix == first
+
+
+# A template with a tool section (Qwen-like): the tools reach it as its `tools` argument.
+WITH_TOOLS = (
+    "{%- if tools %}<|im_start|>system\nTools: {{ tools | map(attribute='function') | map(attribute='name') "
+    "| join(', ') }}<|im_end|>\n{% endif %}"
+    "{%- for m in messages %}{% if m.tool_calls %}<|im_start|>assistant\n{% for c in m.tool_calls %}"
+    "<tool_call>{{ c.function | tojson }}</tool_call>{% endfor %}<|im_end|>\n"
+    "{%- elif m.role == 'tool' %}<|im_start|>user\n<tool_response>{{ m.content }}</tool_response><|im_end|>\n"
+    "{%- else %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endif %}{% endfor %}"
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def test_a_template_with_a_tool_section_gets_the_tools_as_the_route_passes_them():
+    from radixlm.srt.server.chat import ChatOptions, prepare_turn
+    from radixlm.tokenizer import render_chat_template
+
+    class Tok:  # the route's side: apply_chat_template(..., tools=..., tokenize=False)
+        chat_template = WITH_TOOLS
+
+        @staticmethod
+        def apply_chat_template(messages, tools, add_generation_prompt, tokenize):
+            return render_chat_template(WITH_TOOLS, {}, messages, add_generation_prompt, tools)
+
+    class Own(Scripted):
+        def get_model_info(self) -> dict[str, Any]:
+            return {"chat_template": WITH_TOOLS}
+
+        def get_chat_template(self) -> ChatRenderer:
+            return ChatRenderer(lambda m, g: render_chat_template(WITH_TOOLS, {}, m, g))
+
+    backend = Own(None, [CALL, "Warm."])
+    state = weather_agent.run("auto", backend=backend)
+    specs = [tool_spec(get_weather), tool_spec(Book)]
+    prompts = [prepare_turn(Tok, state.messages()[:n], specs, "auto", None, ChatOptions()).prompt for n in (2, 4)]
+    assert [prompt for prompt, _ in backend.calls] == prompts
+    assert prompts[1].startswith("<|im_start|>system\nTools: get_weather, Book<|im_end|>")
+    assert '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>' in prompts[1]
+
+
+def test_an_async_program_calls_tools_through_the_same_hooks(template):
+    @sgl.function
+    async def agent(s):
+        ask(s, "auto")
+        for call in await s.get("call"):
+            s += sgl.tool(run_call(call), call_id=call["id"])
+        s += sgl.assistant(sgl.gen("answer", max_tokens=4))
+
+    state = agent.run(backend=Scripted(template, [CALL, "Warm."]))
+    assert [c["name"] for c in state["call"]] == ["get_weather"]
+    assert [m["role"] for m in state.messages()] == ["system", "user", "assistant", "tool", "assistant"]
 
 
 def test_required_and_named_calls_are_constrained_and_answers_without_calls(template):
