@@ -44,7 +44,7 @@ class Gen(Expr):
     reader: OutputReader | None = None  # tools / separate_reasoning: what to read from the output
 
     @property
-    def tools(self) -> Any:
+    def tools(self) -> Any:  # the executors fetch the chat template before a gen with tools
         return self.reader.tools if self.reader is not None else None
 
 
@@ -127,13 +127,13 @@ def gen(name: str | None = None, max_tokens: int | None = None, *, choices: list
     or functions) and `tool_choice` ("auto", "required", "none" or {"type": "function",
     "function": {"name": ...}}), an assistant turn that may call them: the variable holds the
     calls, [{"id", "name", "arguments": dict}] ([] when the model answers in text)."""
+    reader = None
     if tools is not None or tool_choice is not None:
         if choices is not None or tools is None:
             raise TypeError("gen(tool_choice=...) needs tools=[...], and gen(choices=...) takes no tools")
         from .tools import tools_reader  # loads the server's tool-call code: only programs with tools need it
 
-        sampling = SglSamplingParams.from_kwargs({"max_new_tokens": max_tokens, **params}, "gen")
-        return Gen(name, sampling, tools_reader(tools, tool_choice))
+        reader = tools_reader(tools, tool_choice)
     if choices is not None:
         temperature = params.pop("temperature", None)
         lora_path = params.pop("lora_path", None)
@@ -144,7 +144,7 @@ def gen(name: str | None = None, max_tokens: int | None = None, *, choices: list
                       choices_method or token_length_normalized, lora_path=lora_path)
     if choices_method is not None:
         raise TypeError("gen(choices_method=...) needs choices=[...]")
-    return Gen(name, SglSamplingParams.from_kwargs({"max_new_tokens": max_tokens, **params}, "gen"))
+    return Gen(name, SglSamplingParams.from_kwargs({"max_new_tokens": max_tokens, **params}, "gen"), reader)
 
 
 def gen_int(name: str | None = None, max_tokens: int | None = None, **params: Any) -> Expr:

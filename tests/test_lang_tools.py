@@ -283,6 +283,14 @@ def test_tools_outside_an_assistant_turn_or_on_a_backend_without_the_template_ar
     with pytest.raises(ValueError, match="assistant turn"):
         bare.run(backend=Scripted(template, ["x"]))
 
+    @sgl.function
+    def text_before(s):
+        s += "Notes.\n"
+        ask(s, "auto")
+
+    with pytest.raises(ValueError, match="chat turns only"):
+        text_before.run(backend=Scripted(template, ["x"]))
+
     class NoInfo(Scripted):
         get_model_info = None
 
