@@ -116,3 +116,23 @@ def test_no_module_imports_another_modules_private_names():
                for dst, names, line in imports for name in names
                if name.startswith("_") and not name.startswith("__") and dst != src]
     assert private == []
+
+
+def test_every_source_folder_is_a_package_of_the_wheel():
+    """A folder left out of pyproject's package list works in an editable install and is
+    missing from a built wheel (tool_calls and responses were, once)."""
+    import tomllib
+
+    config = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
+    listed = set(config["packages"])
+    roots = {folder: name for name, folder in config["package-dir"].items()}
+    missing = []
+    for folder, name in roots.items():
+        for path in sorted((REPO / folder).rglob("*.py")):
+            parts = path.parent.relative_to(REPO / folder).parts
+            if "__pycache__" in parts:
+                continue
+            package = ".".join((name, *parts))
+            if package not in listed and package not in missing:
+                missing.append(package)
+    assert not missing, f"pyproject.toml [tool.setuptools] packages lacks {missing}"
