@@ -70,7 +70,7 @@ class _ForkPoint(Expr):
             child.text_, child.messages_ = trunk.text_, list(trunk.messages_)
             child.variables, child.meta_info = dict(trunk.variables), dict(trunk.meta_info)
             child._role, child._role_start, child._content_start = trunk._role, trunk._role_start, trunk._content_start
-            child._chat = trunk._chat
+            child._chat, child._calls = trunk._chat, list(trunk._calls)
             child.names_at_fork = set(trunk.variables)  # a join sets only the variables made after
         self.start.set_result(None)
 
@@ -242,7 +242,7 @@ class AsyncExecutor(StreamExecutor):
         self._stream_begin(expr.name)
         async for delta, meta in self.backend.agenerate_stream(prompt, params):
             value = self._stream_delta(expr.name, value, delta)
-        self._set(expr.name, value, meta)
+        self._gen_set(expr, value, meta)
 
 
 class AsyncProgramState(ProgramState):
