@@ -176,29 +176,39 @@ class ExecutorSettings(Section):
 class SpeculativeSettings(Section):
     """Speculative decoding: who drafts, and how many tokens a verify step checks."""
 
-    speculative_algorithm: str | None = setting(None, "ngram (drafts by prompt lookup, no extra model) | draft "
-                                                      "(STANDALONE: a smaller model drafts); unset: no speculative "
-                                                      "decoding", choices=("ngram", "draft"),
-                                                refusal="is not implemented (ngram and draft / STANDALONE are; EAGLE, "
-                                                        "EAGLE3 and MTP speculation are not)")
+    speculative_algorithm: str | None = setting(None, "ngram (drafts by prompt lookup, no extra model) | suffix "
+                                                      "(drafts from the request's text and recent outputs, no extra "
+                                                      "model) | draft (STANDALONE: a smaller model drafts); unset: no "
+                                                      "speculative decoding", choices=("ngram", "suffix", "draft"),
+                                                refusal="is not implemented (ngram, suffix and draft / STANDALONE are; "
+                                                        "EAGLE, EAGLE3 and MTP speculation are not)")
     speculative_num_draft_tokens: int = setting(4, "draft tokens verified per step", min=1, max=16)
     speculative_ngram_max_match_window_size: int = setting(4, "ngram: longest suffix matched against earlier "
                                                               "tokens", min=1)
     speculative_ngram_min_match_window_size: int = setting(1, "ngram: shortest suffix matched", min=1)
+    # Suffix speculation (srt/scheduler/suffix.py); vLLM's suffix_decoding_* names and defaults.
+    speculative_suffix_max_tokens: int = setting(1 << 16, "suffix: tokens of finished requests kept to draft from "
+                                                          "(outputs, each after its prompt's last tree-depth tokens), "
+                                                          "over all cache namespaces; the oldest go first", min=1)
+    speculative_suffix_max_tree_depth: int = setting(24, "suffix: longest context matched", min=1)
+    speculative_suffix_max_spec_factor: float = setting(1.0, "suffix: draft at most this many tokens per token of "
+                                                             "matched context", above=0.0)
+    speculative_suffix_min_token_prob: float = setting(0.1, "suffix: stop a draft where its estimated probability "
+                                                            "falls below this", min=0.0, max=1.0)
     speculative_draft_model_path: str | None = setting(None, "draft / STANDALONE: the smaller model that drafts "
                                                              "(same tokenizer as the target)")
     speculative_num_steps: int | None = setting(None, "draft / STANDALONE: tokens the draft model drafts per step "
                                                       "(unset: speculative_num_draft_tokens)", min=1, max=16)
 
-    ALIASES = {"speculative_algorithm": {"ngram": "ngram", "draft": "draft", "standalone": "draft"}}
+    ALIASES = {"speculative_algorithm": {"ngram": "ngram", "suffix": "suffix", "draft": "draft", "standalone": "draft"}}
 
     def check(self) -> None:
         algorithm = self.speculative_algorithm
         if algorithm is None:
             return
-        if algorithm == "ngram":
+        if algorithm in ("ngram", "suffix"):
             if self.speculative_draft_model_path is not None:
-                raise ValueError("speculative_draft_model_path: ngram speculation drafts without a model; use "
+                raise ValueError(f"speculative_draft_model_path: {algorithm} speculation drafts without a model; use "
                                  "--speculative-algorithm draft for a draft model")
             if self.speculative_ngram_min_match_window_size > self.speculative_ngram_max_match_window_size:
                 raise ValueError("speculative_ngram_min_match_window_size: must be at most the max window size")
@@ -207,7 +217,8 @@ class SpeculativeSettings(Section):
 
     @property
     def drafts_per_step(self) -> int:
-        """Draft tokens a verify step checks: the draft model's forwards, or the n-gram draft length."""
+        """Draft tokens a verify step checks: the draft model's forwards, or the n-gram / suffix
+        draft length at most."""
         if not self.speculative_algorithm:
             return 0
         if self.speculative_algorithm == "draft" and self.speculative_num_steps is not None:

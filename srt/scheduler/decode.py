@@ -15,6 +15,7 @@ from .draft_pacing import DraftPacing
 from .lockstep import needs_host_tokens
 from .ngram import TokenHistory, propose_ngram
 from .request_kv import RequestKV
+from .suffix import SuffixStore
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +51,12 @@ class DecodeManager:
         self.drafts_by_model = speculative.speculative_algorithm == "draft"
         self.ngram_windows = (speculative.speculative_ngram_max_match_window_size,
                               speculative.speculative_ngram_min_match_window_size)
+        # Suffix speculation drafts from finished requests' outputs too (suffix.py).
+        self.suffix = SuffixStore(speculative.speculative_suffix_max_tokens,
+                                  speculative.speculative_suffix_max_tree_depth,
+                                  speculative.speculative_suffix_max_spec_factor,
+                                  speculative.speculative_suffix_min_token_prob) \
+            if speculative.speculative_algorithm == "suffix" else None
         self.running: list[Req] = []
         self.new_token_ratio = INIT_NEW_TOKEN_RATIO
         self._drafting: dict[Req, _Drafting] = {}
@@ -60,8 +67,13 @@ class DecodeManager:
         self.running.extend(reqs)
 
     def drop_finished(self) -> None:
-        """Finished requests leave (their KV was released when they finished)."""
+        """Finished requests leave (their KV was released when they finished); with suffix
+        speculation their outputs stay to draft from (aborted ones left by abort())."""
         if any(r.finished for r in self.running):
+            if self.suffix is not None:
+                for req in self.running:
+                    if req.finished:
+                        self.suffix.add(req.namespace, req.output_ids, req.origin_input_ids)
             self.running = [r for r in self.running if not r.finished]
             self._drafting = {r: d for r, d in self._drafting.items() if not r.finished}
 
@@ -200,9 +212,9 @@ class DecodeManager:
                 and not self._ends_with_pending_token(req))
 
     def _with_drafts(self, part: ExtendPlan) -> ExtendPlan:
-        """The part with drafts after its token (n-gram drafts, or room for the draft model's),
-        when the request can speculate, drafting pays for it (draft_pacing.py) and free KV holds
-        them. Drafting reads the newest token, so a step with drafts runs in lockstep."""
+        """The part with drafts after its token (n-gram or suffix drafts, or room for the draft
+        model's), when the request can speculate, drafting pays for it (draft_pacing.py) and free
+        KV holds them. Drafting reads the newest token, so a step with drafts runs in lockstep."""
         req = part.req
         sp = req.sampling_params
         if part.extend_len != 1 or not _may_speculate(req):
@@ -218,7 +230,10 @@ class DecodeManager:
             drafts, count = [], room
         else:
             tokens = drafting.history.sync(req.origin_input_ids, req.output_ids)
-            drafts = propose_ngram(tokens, room, *self.ngram_windows)
+            if self.suffix is not None:
+                drafts = self.suffix.propose(req.namespace, tokens, room)
+            else:
+                drafts = propose_ngram(tokens, room, *self.ngram_windows)
             if req.grammar is not None:  # cut at the first draft the grammar rejects
                 drafts = drafts[:valid_draft_len(req.grammar, drafts)]
             if not drafts:  # nothing to copy: an ordinary decode row, and drafting pauses a while
