@@ -21,31 +21,45 @@ def _server_info(server) -> dict:
     return httpx.get(server.base_url + "/get_server_info", timeout=30).json()
 
 
-def _lookup(city: str) -> str:
-    """The agent's tool: a plain Python function the program calls on the model's words."""
+def lookup(city: str) -> str:
+    """Looks up how many museums a city has.
+
+    Args:
+        city: the city's name
+    """
     return f"{city.strip()[:20]} has {len(city.strip()) * 7 % 97} museums."
+
+
+def _run_calls(calls: list[dict]) -> list:
+    return [sgl.tool(lookup(**call["arguments"]), call_id=call["id"]) for call in calls]
 
 
 @sgl.function
 def react_sync(s, question):
-    s += "Question: " + question + "\nThought:" + sgl.gen("thought", max_tokens=8, stop="\n")
-    s += "\nAction: lookup[" + sgl.gen("city", max_tokens=4, stop=["]", "\n"]) + "]\n"
-    s += "Observation: " + _lookup(s["city"]) + "\n"
+    s += sgl.user(question)
+    s += sgl.assistant("Thought:" + sgl.gen("thought", max_tokens=8, stop="\n"))
+    s += sgl.user("Look it up.")
+    s += sgl.assistant(sgl.gen("call", tools=[lookup], tool_choice="required", max_tokens=48))
+    for message in _run_calls(s["call"]):
+        s += message
     forks = s.fork(2)
-    forks += lambda i: f"Answer {i}:" + sgl.gen("answer", max_tokens=6, stop="\n")
+    forks += lambda i: sgl.user(f"Answer {i}?") + sgl.assistant(sgl.gen("answer", max_tokens=6))
     forks.join()
-    s += "Final:" + sgl.gen("final", max_tokens=6, stop="\n")
+    s += sgl.user("Final?") + sgl.assistant(sgl.gen("final", max_tokens=6))
 
 
 @sgl.function
 async def react_async(s, question):
-    s += "Question: " + question + "\nThought:" + sgl.gen("thought", max_tokens=8, stop="\n")
-    s += "\nAction: lookup[" + sgl.gen("city", max_tokens=4, stop=["]", "\n"]) + "]\n"
-    s += "Observation: " + _lookup(await s.get("city")) + "\n"
+    s += sgl.user(question)
+    s += sgl.assistant("Thought:" + sgl.gen("thought", max_tokens=8, stop="\n"))
+    s += sgl.user("Look it up.")
+    s += sgl.assistant(sgl.gen("call", tools=[lookup], tool_choice="required", max_tokens=48))
+    for message in _run_calls(await s.get("call")):
+        s += message
     forks = s.fork(2)
-    forks += lambda i: f"Answer {i}:" + sgl.gen("answer", max_tokens=6, stop="\n")
+    forks += lambda i: sgl.user(f"Answer {i}?") + sgl.assistant(sgl.gen("answer", max_tokens=6))
     await forks.join()
-    s += "Final:" + sgl.gen("final", max_tokens=6, stop="\n")
+    s += sgl.user("Final?") + sgl.assistant(sgl.gen("final", max_tokens=6))
 
 
 QUESTIONS = [f"Which city in country number {i} has the most museums?" for i in range(32)]
@@ -55,11 +69,15 @@ def test_an_async_react_program_over_32_tasks_matches_the_sync_one(backend):
     args = [{"question": q} for q in QUESTIONS]
     sync_states = react_sync.run_batch(args, backend=backend, temperature=0)
     async_states = react_async.run_batch(args, backend=backend, temperature=0, max_concurrency=32)
+    called = 0
     for a, b in zip(sync_states, async_states):
         assert a.error() is None and b.error() is None
         assert b.text() == a.text()
+        assert [(c["name"], c["arguments"]) for c in b["call"]] == [(c["name"], c["arguments"]) for c in a["call"]]
+        called += bool(b["call"])
         assert b["answer"] == a["answer"] and len(b["answer"]) == 2
         assert b["final"] == a["final"]
+    assert called >= 16  # the tool round trip ran (a call cut off at max_tokens parses to none)
 
 
 def test_arun_awaits_in_an_event_loop_and_run_says_to_await_there(backend):
