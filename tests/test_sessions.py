@@ -16,6 +16,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 
 from benchmarks.harness import ServerProcess, wait_until
 from radixlm.radix import RadixCache
+from radixlm.radix.tiered import TieredRadixCache
 from radixlm.srt.intake import check_session_id
 from radixlm.srt.scheduler.kv_memory import PageAllocator
 from radixlm.srt.scheduler.request_kv import RequestKV
@@ -147,6 +148,26 @@ def test_pressure_releases_oldest_first_and_only_when_asked() -> None:
     pool.check()
 
 
+def test_with_the_host_tier_a_protected_prefix_stays_on_the_device() -> None:
+    """--enable-hierarchical-cache: protection holds the prefix on the device (docs/sessions.md
+    says why); once released it demotes to the host like any other prefix."""
+    allocator = PageAllocator(64)
+    tree = TieredRadixCache(allocator.capacity, allocator.free, host_capacity=128)
+    sessions = Sessions(tree, 10.0, 100, 100, clock=Clock())
+    session_key, other = tokens(12, 1), tokens(12, 2)
+    for key, sid in ((session_key, "s"), (other, None)):
+        tree.insert(key, allocator.alloc(0, len(key), None))
+        if sid:
+            sessions.keep(sid, None, key)
+    tree.evict(1000)
+    assert tree.match(session_key).matched_len == 12  # on the device
+    assert tree.match(other).matched_len == 0 and tree.match(other).host_len == 12  # demoted
+    sessions.end("s")
+    tree.evict(1000)
+    assert tree.match(session_key).host_len == 12
+    tree.check_invariants()
+
+
 def test_flush_clears_every_protection() -> None:
     pool = Pool()
     pool.finish(tokens(8, 1), "a")
@@ -262,7 +283,7 @@ GREEDY = {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True}
 
 @pytest.fixture(scope="module")
 def srv():
-    """A small pool: a flood of 6 x 120 unrelated tokens evicts everything not protected."""
+    """A small pool: a flood of 5 x 110 unrelated tokens evicts everything not protected."""
     server = ServerProcess("--max-total-tokens", str(POOL_TOKENS), "--session-ttl", "600")
     yield server
     server.stop()
@@ -278,14 +299,14 @@ def generate(c, body: dict) -> dict:
     return r.json()
 
 
-def run_programs(c, seed: int, with_sessions: bool) -> list[float]:
-    """Two programs of three calls, each call extending the one before by 30 tokens, with a
+def run_programs(c, seed: int, with_sessions: bool, calls: int) -> list[float]:
+    """Two programs of `calls` calls, each call extending the one before by 30 tokens, with a
     flood before every call; returns the share of each later call's previous prompt found cached."""
     rng = random.Random(seed)
     prompts = {f"prog-{seed}-{i}": ids(60, rng) for i in range(2)}
     shares = []
-    for call in range(3):
-        generate(c, {"input_ids": [ids(120, rng) for _ in range(6)],
+    for call in range(calls):
+        generate(c, {"input_ids": [ids(110, rng) for _ in range(5)],
                      "sampling_params": {**GREEDY, "max_new_tokens": 1}})
         for sid, prompt in prompts.items():
             body = {"input_ids": prompt, **({"session_id": sid} if with_sessions else {})}
@@ -306,8 +327,8 @@ def server_info(c) -> dict:
 
 def test_sessions_keep_their_hits_under_a_flood_and_leave_no_kv_behind(srv) -> None:
     with srv.client() as c:
-        with_sessions = run_programs(c, 1, with_sessions=True)
-        without = run_programs(c, 2, with_sessions=False)
+        with_sessions = run_programs(c, 1, with_sessions=True, calls=3)
+        without = run_programs(c, 2, with_sessions=False, calls=2)
         assert min(with_sessions) >= 0.99, with_sessions  # the whole previous prompt, every call
         assert max(without) <= 0.3, without  # the flood evicted it
         metrics = c.get("/metrics").text
@@ -344,3 +365,11 @@ def test_bad_session_ids_get_400_naming_the_field(srv, body) -> None:
         assert r.status_code == 400 and r.json()["error"]["param"] == "session_id", r.text
         r = c.post("/end_session", json=body)
         assert r.status_code == 400 and r.json()["error"]["param"] == "session_id", r.text
+
+
+def test_end_session_is_in_the_openapi_document(srv) -> None:
+    with srv.client() as c:
+        doc = c.get("/openapi.json").json()
+    body = doc["paths"]["/end_session"]["post"]["requestBody"]["content"]["application/json"]["schema"]["$ref"]
+    assert body.endswith("/EndSessionRequest")
+    assert "session_id" in doc["components"]["schemas"]["GenerateRequest"]["properties"]
