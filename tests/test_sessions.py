@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Hashable
+from types import SimpleNamespace
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -17,11 +18,16 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 from benchmarks.harness import ServerProcess, wait_until
 from radixlm.radix import RadixCache
 from radixlm.radix.tiered import TieredRadixCache
+from radixlm.srt.core.request import Req
+from radixlm.srt.core.step import PendingStep, StepPlan, StepResult
 from radixlm.srt.intake import check_session_id
+from radixlm.srt.sampling_params import SamplingParams
 from radixlm.srt.scheduler.kv_memory import PageAllocator
 from radixlm.srt.scheduler.request_kv import RequestKV
+from radixlm.srt.scheduler.scheduler import Scheduler
 from radixlm.srt.scheduler.sessions import Sessions
 from radixlm.srt.server.session_routes import SessionOwners
+from radixlm.srt.server_args import ServerArgs
 
 
 class Clock:
@@ -207,6 +213,84 @@ def test_bad_session_ids_are_refused_naming_the_field(bad) -> None:
     with pytest.raises(ValueError, match="^session_id: "):
         check_session_id(bad)
     assert check_session_id("x" * 128) == "x" * 128 and check_session_id(None) is None
+
+
+# ---------------------------------------------------------------------------- in the scheduler
+class FakeEngine:
+    """Draws a fixed function of request and position as each token (any batching: the same)."""
+
+    def __init__(self, loaded, args, req_to_token, num_kv_slots, *, eos_ids, grammar_backend):
+        self.overlap = False
+
+    @staticmethod
+    def kv_capacity(config, args) -> int:
+        return args.cache.max_total_tokens
+
+    def launch(self, plan: StepPlan) -> PendingStep:
+        tokens = [10 + (len(r.origin_input_ids) + len(r.output_ids) + r.pending_tokens) % 50
+                  for r in plan.sampling_reqs]
+        return PendingStep(plan, lambda: StepResult(tokens))
+
+
+def make_scheduler(**overrides) -> Scheduler:
+    args = dict(max_total_tokens=128, max_running_requests=8, chunked_prefill_size=32, max_prefill_tokens=32,
+                context_length=256, device="cpu", session_total_tokens=128, **overrides)
+    config = SimpleNamespace(eos_token_ids=(2,), vocab_size=64, context_len=256)
+    loaded = SimpleNamespace(config=config, tokenizer=SimpleNamespace(eos_token_id=2, decode=lambda ids, **_: ""))
+    return Scheduler(loaded, ServerArgs(**args), engine_factory=FakeEngine)
+
+
+def run(sched: Scheduler, *reqs: Req) -> None:
+    for req in reqs:
+        sched.add_request(req)
+    for _ in range(1000):
+        if not sched.has_work and sched.pending is None:
+            return
+        sched.step()
+    raise AssertionError("no progress")
+
+
+def req(rid: str, prompt: list[int], new: int = 4, session_id: str | None = None) -> Req:
+    sp = SamplingParams(max_new_tokens=new, temperature=0.0, ignore_eos=True)
+    return Req(rid=rid, origin_input_ids=prompt, sampling_params=sp, session_id=session_id)
+
+
+def test_in_the_scheduler_a_session_hits_gives_way_to_work_and_leaks_nothing() -> None:
+    sched = make_scheduler()
+    first = req("a1", tokens(40, 1), session_id="a")  # prefilled in two chunks
+    run(sched, first)
+    assert sched.sessions.protected_tokens == 43  # prompt + output but the last token (no KV yet)
+    second = req("a2", first.fill_ids + tokens(10, 2), session_id="a")
+    run(sched, req("other", tokens(60, 3)), second)
+    assert second.cached_tokens == 43 and sched.sessions.protected_tokens == 57
+    aborted = req("a3", second.fill_ids + [5], new=50, session_id="a")
+    sched.add_request(aborted)
+    sched.step()
+    sched.abort("a3")
+    run(sched)
+    assert sched.sessions.protected_tokens == 57  # an aborted call changes nothing
+    # Two requests that need most of the pool: decoding lets the protection go rather than retract.
+    retracted = []
+    real_retract = sched.decode.retract
+    sched.decode.retract = lambda r: retracted.append(r.rid) or real_retract(r)
+    run(sched, req("b1", tokens(20, 4), new=40), req("b2", tokens(20, 5), new=40))
+    assert not retracted and sched.sessions.info()["pressure_releases"] == 1
+    assert sched.sessions.protected_tokens == 0 and sched.sessions.end("a") and not sched.sessions.end("a")
+    run(sched, req("c", tokens(8, 6), session_id="c"))
+    assert sched.sessions.protected_tokens == 11 and sched.flush_cache()
+    stats = sched.kv_stats()
+    assert stats["leaked"] == 0 and stats["protected"] == 0 and stats["free"] == stats["capacity"], stats
+    assert len(sched.sessions) == 0
+
+
+def test_in_the_scheduler_another_namespace_runs_without_the_session() -> None:
+    sched = make_scheduler()
+    run(sched, req("a1", tokens(20, 1), session_id="s"))
+    foreign = req("b1", tokens(20, 1), session_id="s")
+    foreign.namespace = "tenant-b"
+    run(sched, foreign)
+    assert foreign.session_id is None and foreign.cached_tokens == 0
+    assert sched.sessions.protected_tokens == 23
 
 
 # ---------------------------------------------------------------------------- state machine
