@@ -150,7 +150,7 @@ def forwards(engine, prompt, params) -> tuple[dict, int]:
 def test_a_repeated_tool_call_takes_fewer_forwards_with_the_same_output(engine, suffix_engine):
     """The second request repeats the first's tool call: its output is drafted from the first's,
     greedy output is exactly the plain engine's, and it takes fewer forwards."""
-    params = {"temperature": 0, "max_new_tokens": 32}
+    params = {"temperature": 0, "max_new_tokens": 24}
     plain, plain_forwards = forwards(engine, TOOL_CALL, params)
     suffix_engine.scheduler.decode.suffix.clear()
     first, _ = forwards(suffix_engine, TOOL_CALL, params)
@@ -168,22 +168,22 @@ def test_constrained_and_sampled_requests_speculate_exactly(engine, suffix_engin
     schema = {"type": "object", "properties": {"name": {"type": "string"}, "city": {"type": "string"}},
               "required": ["name", "city"]}
     prompt = TOOL_CALL[:-len("{\"name\": \"")]
-    params = {"temperature": 0, "max_new_tokens": 24, "json_schema": json.dumps(schema)}
+    params = {"temperature": 0, "max_new_tokens": 16, "json_schema": json.dumps(schema)}
     want = engine.generate(prompt, params)["text"]
     outs = [suffix_engine.generate(prompt, params) for _ in range(2)]
     assert [o["text"] for o in outs] == [want, want]
     assert 0 < outs[1]["meta_info"]["spec_verify_ct"] < outs[1]["meta_info"]["completion_tokens"]
-    sampled = suffix_engine.generate(TOOL_CALL, {"temperature": 0.8, "seed": 7, "max_new_tokens": 16})
-    assert sampled["meta_info"]["completion_tokens"] == 16 or sampled["meta_info"]["finish_reason"]["type"] == "stop"
+    sampled = suffix_engine.generate(TOOL_CALL, {"temperature": 0.8, "seed": 7, "max_new_tokens": 12})
+    assert sampled["meta_info"]["completion_tokens"] == 12 or sampled["meta_info"]["finish_reason"]["type"] == "stop"
     stats = suffix_engine.scheduler.kv_stats()
     assert stats["leaked"] == 0 and stats["held_by_requests"] == 0
 
 
 def test_abort_mid_speculation_leaks_nothing_and_keeps_the_store_bounded(suffix_engine):
     sched = suffix_engine.scheduler
-    suffix_engine.generate(TOOL_CALL, {"temperature": 0, "max_new_tokens": 32})  # something to draft from
+    suffix_engine.generate(TOOL_CALL, {"temperature": 0, "max_new_tokens": 24})  # something to draft from
     req = Req(rid="suffix-abort", origin_input_ids=suffix_engine.tokenizer.encode(TOOL_CALL, add_special_tokens=False),
-              sampling_params=SamplingParams(max_new_tokens=32, temperature=0.0))
+              sampling_params=SamplingParams(max_new_tokens=24, temperature=0.0))
     sched.add_request(req)
     while req.spec_verify_ct < 1 and sched.has_work:
         sched.step()
