@@ -88,7 +88,9 @@ def create_app(state: ServerState, api_key: str | None, max_request_bytes: int =
         return {"model_path": state.model_path, "tokenizer_path": state.server_args.get("tokenizer_path"),
                 "is_generation": True, "context_length": state.tm.context_len,
                 "vocab_size": state.tm.model_config.vocab_size,
-                "chat_template": getattr(tok, "chat_template", None), "special_tokens": special}
+                "chat_template": getattr(tok, "chat_template", None), "special_tokens": special,
+                # Whether a client's programs may keep sessions (docs/sessions.md).
+                "program_sessions": bool(state.server_args.get("session_ttl"))}
 
     @app.get("/get_server_info")
     async def get_server_info() -> Any:
