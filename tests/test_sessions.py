@@ -129,7 +129,8 @@ def test_per_session_budget_protects_the_head_of_the_prefix() -> None:
     pool.check()
 
 
-def test_total_budget_lets_the_least_recently_active_go_first() -> None:
+def test_total_budget_lets_the_most_recently_active_go_first() -> None:
+    """Programs return in about the order they left: the newest is needed last."""
     pool = Pool(total_tokens=20)
     for i, sid in enumerate("abc"):
         pool.clock.now = i
@@ -137,11 +138,11 @@ def test_total_budget_lets_the_least_recently_active_go_first() -> None:
     info = pool.sessions.info()
     assert info["budget_releases"] == 1 and info["protected_tokens"] == 16 and info["active"] == 3
     pool.tree.evict(1000)
-    assert pool.tree.cached_prefix_len(tokens(8, 0)) == 0 and pool.tree.cached_prefix_len(tokens(8, 2)) == 8
+    assert pool.tree.cached_prefix_len(tokens(8, 0)) == 8 and pool.tree.cached_prefix_len(tokens(8, 2)) == 0
     pool.check()
 
 
-def test_pressure_releases_oldest_first_and_only_when_asked() -> None:
+def test_pressure_releases_newest_first_and_only_when_asked() -> None:
     pool = Pool(capacity=32)
     pool.finish(tokens(12, 1), "old")
     pool.clock.now = 1.0
@@ -150,7 +151,7 @@ def test_pressure_releases_oldest_first_and_only_when_asked() -> None:
     assert pool.finish(tokens(16, 3)) == 0  # nothing else frees memory: protection gives way
     info = pool.sessions.info()
     assert info["pressure_releases"] == 1 and info["protected_tokens"] == 12
-    assert pool.tree.cached_prefix_len(tokens(12, 2)) == 12
+    assert pool.tree.cached_prefix_len(tokens(12, 1)) == 12
     pool.check()
 
 

@@ -56,12 +56,12 @@ class RequestKV:
 
     def make_room(self, needed: int, release_sessions: bool = False) -> bool:
         """Whether `needed` slots are free, evicting from the tree when short; `release_sessions`:
-        then letting go of sessions' protected prefixes too, oldest first (for work that cannot
+        then letting go of sessions' protected prefixes too, newest first (for work that cannot
         wait for memory, as nothing running would free any: protection never refuses work)."""
         if needed > self.allocator.available_size:
             self.tree.evict(needed - self.allocator.available_size)
             while (release_sessions and self.sessions is not None and needed > self.allocator.available_size
-                   and self.sessions.release_oldest()):
+                   and self.sessions.release_newest()):
                 self.tree.evict(needed - self.allocator.available_size)
         return needed <= self.allocator.available_size
 
