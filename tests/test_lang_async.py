@@ -175,3 +175,23 @@ def test_a_program_that_raises_aborts_its_branches_requests(server, backend):
         fails.run(backend=backend, temperature=0)
     kv = _wait_until_idle(server)["kv"]
     assert kv["held_by_requests"] == 0 and kv["leaked"] == 0
+
+
+def test_each_program_and_branch_keeps_a_session_and_ends_it(server, backend):
+    assert backend.sessions  # the server offers them (/get_model_info)
+    before = _server_info(server)["sessions"]
+
+    @sgl.function
+    async def two_branches(s):
+        s += "A short story:" + sgl.gen("a", max_tokens=2)
+        forks = s.fork(2)
+        forks += sgl.gen("b", max_tokens=2)
+        await forks.join()
+
+    two_branches.run(backend=backend, temperature=0)
+    react_sync.run(QUESTIONS[0], backend=backend, temperature=0)  # a sync program ends its own (and its branches')
+    after = _server_info(server)["sessions"]
+    assert after["ended"] - before["ended"] == 3 + 3 and after["active"] == before["active"]
+    off = sgl.RuntimeEndpoint(server.base_url, sessions=False)
+    two_branches.run(backend=off, temperature=0)
+    assert _server_info(server)["sessions"]["ended"] == after["ended"]
