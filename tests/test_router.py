@@ -376,3 +376,23 @@ def test_killing_a_replica_loses_no_request_that_had_not_started_streaming(dp):
     assert health.status_code == 503
     assert "no healthy workers" in health.json()["error"]["message"] and victim in health.text
     assert dp.proc.wait(30) == 1
+
+
+def test_a_program_behind_the_router_keeps_and_ends_its_session(dp):
+    import radixlm as sgl
+
+    backend = sgl.RuntimeEndpoint(dp.base_url, api_key=KEY)
+    assert backend.sessions  # the workers offer them, and the router passes /end_session on
+
+    @sgl.function
+    def prog(s):
+        s += "Count: one two" + sgl.gen("a", max_tokens=2)
+        s += " three" + sgl.gen("b", max_tokens=2)
+
+    prog.run(backend=backend, temperature=0)
+    with httpx.Client(base_url=dp.base_url, headers=AUTH, timeout=30) as c:
+        workers = c.get("/get_server_info").json()["workers"]
+        assert sum(w["info"]["sessions"]["ended"] for w in workers if w.get("info")) >= 1
+        assert all(w["info"]["sessions"]["active"] == 0 for w in workers if w.get("info"))
+        assert c.post("/end_session", json={"session_id": "never-used"}).json() == {"session_id": "never-used",
+                                                                                  "ended": False}

@@ -3,9 +3,9 @@
 Generation routes (/generate, /v1/completions, /v1/chat/completions, /v1/responses) go to the
 worker the policy picks by the request's key; /v1/responses with a `previous_response_id`, and
 GET/DELETE of a stored response, go to the worker that made that response (it alone stores it).
-Model and tokenizer routes go to any healthy worker; /flush_cache and /abort_request to all of
-them. /health is 200 while any worker is healthy; /metrics and /get_server_info gather every
-worker's.
+Model and tokenizer routes go to any healthy worker; /flush_cache, /abort_request and
+/end_session to all of them. /health is 200 while any worker is healthy; /metrics and
+/get_server_info gather every worker's.
 """
 
 from __future__ import annotations
@@ -175,15 +175,24 @@ def create_router_app(pool: WorkerPool, proxy: Proxy, policy_name: str, api_key:
         workers = pool.healthy()
         return dict(zip([w.url for w in workers], await asyncio.gather(*(one(w) for w in workers))))
 
-    async def broadcast(request: Request) -> Response:
-        """/flush_cache and /abort_request: every healthy worker; 200 when all of them said 200."""
+    async def to_all(request: Request) -> tuple[dict[str, Any], Response | None]:
+        """The request sent to every healthy worker: their answers, and the response to give
+        instead when not all of them said 200."""
         answers = await each_worker(request.method, request.url.path, await request.body(),
                                     forward_headers(request.headers))
         if not answers:
-            return proxy.unavailable([], set())
+            return answers, proxy.unavailable([], set())
         failed = {u: a for u, a in answers.items() if isinstance(a, str) or a.status_code != 200}
         if not failed:
-            return Response(next(iter(answers.values())).content, status_code=200)
+            return answers, None
+        return answers, failure(request, answers, failed)
+
+    async def broadcast(request: Request) -> Response:
+        """/flush_cache and /abort_request: every healthy worker; 200 when all of them said 200."""
+        answers, problem = await to_all(request)
+        return problem or Response(next(iter(answers.values())).content, status_code=200)
+
+    def failure(request: Request, answers: dict[str, Any], failed: dict[str, Any]) -> Response:
         client_fault = [a for a in failed.values() if not isinstance(a, str) and 400 <= a.status_code < 500]
         if len(client_fault) == len(failed):  # the same bad request everywhere: pass one 4xx on
             a = client_fault[0]
@@ -194,6 +203,17 @@ def create_router_app(pool: WorkerPool, proxy: Proxy, policy_name: str, api_key:
 
     app.add_api_route("/flush_cache", broadcast, methods=["GET", "POST"])
     app.add_api_route("/abort_request", broadcast, methods=["POST"])
+
+    @app.post("/end_session")
+    async def end_session(request: Request) -> Response:
+        """Every healthy worker ends the session (the policy may have sent its calls to more than
+        one); "ended" is true when any of them knew it."""
+        answers, problem = await to_all(request)
+        if problem:
+            return problem
+        replies = [orjson.loads(a.content) for a in answers.values()]
+        return Response(orjson.dumps({"session_id": replies[0].get("session_id"),
+                                      "ended": any(r.get("ended") for r in replies)}), media_type="application/json")
 
     @app.get("/health")
     async def health() -> Response:
