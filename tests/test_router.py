@@ -289,6 +289,26 @@ def test_dp_serve_native_and_openai_routes(dp):
     assert client.responses.retrieve(response.id).id == response.id
 
 
+def test_a_program_behind_the_router_keeps_and_ends_its_session(dp):
+    import radixlm as sgl
+
+    backend = sgl.RuntimeEndpoint(dp.base_url, api_key=KEY)
+    assert backend.sessions  # the workers offer them, and the router passes /end_session on
+
+    @sgl.function
+    def prog(s):
+        s += "Count: one two" + sgl.gen("a", max_tokens=2)
+        s += " three" + sgl.gen("b", max_tokens=2)
+
+    prog.run(backend=backend, temperature=0)
+    with httpx.Client(base_url=dp.base_url, headers=AUTH, timeout=30) as c:
+        workers = c.get("/get_server_info").json()["workers"]
+        assert sum(w["info"]["sessions"]["ended"] for w in workers if w.get("info")) >= 1
+        assert all(w["info"]["sessions"]["active"] == 0 for w in workers if w.get("info"))
+        assert c.post("/end_session", json={"session_id": "never-used"}).json() == {"session_id": "never-used",
+                                                                                  "ended": False}
+
+
 def test_metrics_label_each_worker_and_bad_requests_pass_through(dp, server):
     urls = _worker_urls(dp)
     text = httpx.get(dp.base_url + "/metrics", headers=AUTH, timeout=30).text
@@ -377,22 +397,3 @@ def test_killing_a_replica_loses_no_request_that_had_not_started_streaming(dp):
     assert "no healthy workers" in health.json()["error"]["message"] and victim in health.text
     assert dp.proc.wait(30) == 1
 
-
-def test_a_program_behind_the_router_keeps_and_ends_its_session(dp):
-    import radixlm as sgl
-
-    backend = sgl.RuntimeEndpoint(dp.base_url, api_key=KEY)
-    assert backend.sessions  # the workers offer them, and the router passes /end_session on
-
-    @sgl.function
-    def prog(s):
-        s += "Count: one two" + sgl.gen("a", max_tokens=2)
-        s += " three" + sgl.gen("b", max_tokens=2)
-
-    prog.run(backend=backend, temperature=0)
-    with httpx.Client(base_url=dp.base_url, headers=AUTH, timeout=30) as c:
-        workers = c.get("/get_server_info").json()["workers"]
-        assert sum(w["info"]["sessions"]["ended"] for w in workers if w.get("info")) >= 1
-        assert all(w["info"]["sessions"]["active"] == 0 for w in workers if w.get("info"))
-        assert c.post("/end_session", json={"session_id": "never-used"}).json() == {"session_id": "never-used",
-                                                                                  "ended": False}
