@@ -258,6 +258,11 @@ class AsyncProgramState(ProgramState):
     async def sync(self) -> None:  # type: ignore[override]
         await self._executor.settled()
 
+    async def wait(self) -> None:
+        """With `arun(stream=True)`: waits for the program to end (its error: `s.error()`)."""
+        if self._executor.program_task is not None:
+            await self._executor.program_task
+
     def fork(self, size: int = 1) -> "AsyncProgramStateGroup":
         """`size` copies of this state from this point on, each run by its own task; the text
         so far is computed into the server's cache first, so the branches share its KV."""

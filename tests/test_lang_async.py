@@ -195,3 +195,19 @@ def test_each_program_and_branch_keeps_a_session_and_ends_it(server, backend):
     off = sgl.RuntimeEndpoint(server.base_url, sessions=False)
     two_branches.run(backend=off, temperature=0)
     assert _server_info(server)["sessions"]["ended"] == after["ended"]
+
+
+def test_a_streamed_async_program_yields_its_text_as_it_comes(backend):
+    @sgl.function
+    async def story(s):
+        s += "Once upon a time" + sgl.gen("rest", max_tokens=12, ignore_eos=True)
+
+    async def main():
+        state = await story.arun(backend=backend, temperature=0, stream=True)
+        pieces = [piece async for piece in state.text_iter("rest")]
+        await state.wait()
+        assert state.error() is None
+        return pieces, state
+
+    pieces, state = asyncio.run(main())
+    assert len(pieces) > 1 and "".join(pieces) == state["rest"]
