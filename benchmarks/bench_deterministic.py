@@ -13,9 +13,7 @@ workload, and one ratio line per workload (flag / baseline; > 1 is faster for th
 from __future__ import annotations
 
 import argparse
-import datetime
 import gc
-import os
 import random
 import time
 
@@ -23,7 +21,7 @@ import torch
 
 from .gpu_workloads import offline_workload, random_prompts, shared_prefix_workload
 from .gpu_measure import device_name
-from .harness import Reporter, command_line, ratio
+from .harness import Reporter, command_line, ratio, run_frame
 from .models import add_engine_model_flags, engine_model
 
 SMOLLM_IDS = (200, 49000)  # the default model's ordinary token ids
@@ -105,7 +103,7 @@ def main() -> None:
 
     gpu = torch.cuda.is_available()
     device = device_name()
-    frame = {"date": datetime.date.today().isoformat(), "machine": f"{device}, {os.cpu_count()} CPU cores"}
+    frame = run_frame(device)
     report = Reporter(args.out, command=command_line())
     model_args, model = engine_model(args)
     runs = workloads(gpu)

@@ -15,10 +15,8 @@ Prints one JSON line per engine and workload and one ratio line per workload (Lo
 from __future__ import annotations
 
 import argparse
-import datetime
 import gc
 import json
-import os
 import random
 import tempfile
 from pathlib import Path
@@ -28,7 +26,7 @@ import torch
 from .bench_deterministic import SMOLLM_IDS, _seconds, decode_ms
 from .gpu_workloads import offline_workload, random_prompts
 from .gpu_measure import device_name
-from .harness import Reporter, command_line, ratio
+from .harness import Reporter, command_line, ratio, run_frame
 from .models import add_engine_model_flags, engine_model
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -94,7 +92,7 @@ def main() -> None:
 
     gpu = torch.cuda.is_available()
     device = device_name()
-    frame = {"date": datetime.date.today().isoformat(), "machine": f"{device}, {os.cpu_count()} CPU cores"}
+    frame = run_frame(device)
     report = Reporter(args.out, command=command_line())
     model_args, model = engine_model(args)
     num_adapters, rank = (8, 16) if args.llama8b else (4, 8)

@@ -22,12 +22,10 @@ Zipf-distributed outputs, and the n-gram search on the same request tokens.
 from __future__ import annotations
 
 import argparse
-import datetime
-import os
 import statistics
 import time
 
-from .harness import Reporter, command_line
+from .harness import Reporter, command_line, run_frame
 from .spec_workloads import WORKLOADS, agent_trace, trips
 
 
@@ -121,7 +119,7 @@ def main() -> None:
         parser.error("--gpu needs --gguf PATH (the default model's GGUF)")
     report = Reporter(args.out, command=command_line())
     if args.drafting:
-        frame = {"date": datetime.date.today().isoformat(), "machine": f"cpu, {os.cpu_count()} CPU cores"}
+        frame = run_frame("cpu")
         bench_drafting(args, report, frame)
         return
     from radixlm.srt import Engine
@@ -140,7 +138,7 @@ def main() -> None:
     else:
         device = "cpu"
     frame = {"model": "SmolLM2-135M-Instruct" + (" (Q4_1 GGUF, bf16)" if args.gpu else " (embedded default), float32"),
-             "date": datetime.date.today().isoformat(), "machine": f"{device}, {os.cpu_count()} CPU cores"}
+             **run_frame(device)}
     batches = args.batch_sizes or ("1,16" if args.gpu else "1")
     for batch in map(int, batches.split(",")):
         # Larger batches: distinct trips, each run twice (the second time in a later wave).

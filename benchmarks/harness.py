@@ -70,6 +70,13 @@ def ratio(ours: float, baseline: float, digits: int = 3) -> float | None:
     return round(ours / baseline, digits) if baseline else None
 
 
+def run_frame(device: str) -> dict[str, str]:
+    """The date and machine every results line carries."""
+    import datetime
+
+    return {"date": datetime.date.today().isoformat(), "machine": f"{device}, {os.cpu_count()} CPU cores"}
+
+
 def command_line() -> str:
     """How this benchmark was started, as one types it again (`python -m benchmarks.bench_x ...`)."""
     spec = getattr(sys.modules["__main__"], "__spec__", None)
