@@ -62,14 +62,17 @@ class Engine:
         rid: str | list[str] | None = None,
         cache_salt: str | None = None,
         lora_path: str | list[str | None] | None = None,
+        session_id: str | None = None,
     ) -> dict[str, Any] | list[dict[str, Any]]:
         """Generates for one prompt (returns a dict) or a batch (returns a list, input order;
         n > 1 samples of a prompt follow each other). Validation is the server's (srt/intake.py).
-        lora_path: a loaded LoRA adapter's name (--enable-lora), or a list with one per prompt."""
+        lora_path: a loaded LoRA adapter's name (--enable-lora), or a list with one per prompt.
+        session_id: a program session whose latest prefix stays cached until end_session
+        (docs/sessions.md)."""
         batched, groups = self.intake.batch(
             prompt, input_ids, sampling_params, rid, text_field="prompt", return_logprob=return_logprob,
             logprob_start_len=logprob_start_len, top_logprobs_num=top_logprobs_num, cache_salt=cache_salt,
-            lora_path=lora_path)
+            lora_path=lora_path, session_id=session_id)
         msgs = [m for group in groups for m in group]
         reqs = [Req.from_tokenized(m, self.model_config.vocab_size) for m in msgs]
         for msg, req in zip(msgs, reqs):
@@ -107,6 +110,10 @@ class Engine:
 
     def unload_lora_adapter(self, lora_name: str) -> dict[str, Any]:
         return self.scheduler.unload_adapter(lora_name)
+
+    def end_session(self, session_id: str) -> bool:
+        """Ends a program session: its prefix becomes plain cache. False if none was held."""
+        return self.scheduler.sessions.end(session_id)
 
     def flush_cache(self, include_storage: bool = False) -> bool:
         """Empties the radix cache and the host tier (and the disk tier with include_storage)."""

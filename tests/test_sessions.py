@@ -458,3 +458,15 @@ def test_end_session_is_in_the_openapi_document(srv) -> None:
     body = doc["paths"]["/end_session"]["post"]["requestBody"]["content"]["application/json"]["schema"]["$ref"]
     assert body.endswith("/EndSessionRequest")
     assert "session_id" in doc["components"]["schemas"]["GenerateRequest"]["properties"]
+
+
+def test_the_engine_keeps_a_session_until_it_ends(engine) -> None:
+    """The in-process Engine takes session_id as the server does, and end_session lets it go."""
+    params = {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True}
+    first = engine.generate("Tell me a story about a dog.", params, session_id="engine-session")
+    held = engine.scheduler.sessions.protected_tokens
+    assert held == first["meta_info"]["prompt_tokens"] + 3  # the last token has no KV yet
+    assert engine.end_session("engine-session") and not engine.end_session("engine-session")
+    assert engine.scheduler.sessions.protected_tokens == 0
+    with pytest.raises(ValueError, match="session_id"):
+        engine.generate("hi", {"max_new_tokens": 1}, session_id="")
