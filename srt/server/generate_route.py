@@ -43,6 +43,14 @@ async def json_body(request: Request) -> Any:
         return error_response(400, f"body: malformed JSON: {e}")
 
 
+async def json_object_body(request: Request) -> dict | Response:
+    """The body as a JSON object, or the 400 response saying why it is not one."""
+    body = await json_body(request)
+    if isinstance(body, Response) or isinstance(body, dict):
+        return body
+    return error_response(400, "body: must be a JSON object")
+
+
 async def generate(tm: TokenizerManager, request: Request, incremental: bool = False) -> Response:
     """incremental: stream events hold what is new since the one before (--incremental-streaming-
     output), not everything so far."""

@@ -13,7 +13,7 @@ from fastapi.responses import Response
 
 from . import generate_route
 from .errors import error_response
-from .generate_route import json_body
+from .generate_route import json_object_body
 from .guard import Guard
 from .lora_routes import add_lora_routes
 from .session_routes import add_session_routes
@@ -109,11 +109,9 @@ def create_app(state: ServerState, api_key: str | None, max_request_bytes: int =
 
     @app.post("/abort_request")
     async def abort_request(request: Request) -> Response:
-        body = await json_body(request)
+        body = await json_object_body(request)
         if isinstance(body, Response):
             return body
-        if not isinstance(body, dict):
-            return error_response(400, "body: must be a JSON object")
         rid, abort_all = body.get("rid"), body.get("abort_all", False)
         if not isinstance(abort_all, bool):
             return error_response(400, "abort_all: must be a boolean", "abort_all")

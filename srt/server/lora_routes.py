@@ -17,7 +17,7 @@ from fastapi.responses import JSONResponse, Response
 
 from ..lora.adapter import parse_lora_paths
 from .errors import error_response
-from .generate_route import json_body
+from .generate_route import json_object_body
 
 UNLOAD_WAIT_S = 600.0  # how long an unload waits for the requests running on the adapter
 _POLL_S = 0.02
@@ -84,11 +84,9 @@ def add_lora_routes(app: FastAPI, tm_getter) -> None:
         tm = tm_getter()
         if tm.adapters is None:
             return error_response(400, "lora_name: the server runs without --enable-lora", "lora_name")
-        body = await json_body(request)
+        body = await json_object_body(request)
         if isinstance(body, Response):
             return body
-        if not isinstance(body, dict):
-            return error_response(400, "body: must be a JSON object")
         status, data = await act(tm, body)
         return JSONResponse(data) if status == 200 else error_response(status, data["error"], "lora_name")
 

@@ -13,7 +13,7 @@ from fastapi.responses import JSONResponse, Response
 
 from ..intake import check_session_id
 from .errors import error_response
-from .generate_route import json_body
+from .generate_route import json_object_body
 
 
 class SessionOwners:
@@ -61,11 +61,9 @@ def add_session_routes(app: FastAPI, tm_getter) -> None:
 
     @app.post("/end_session")
     async def end_session(request: Request) -> Response:
-        body = await json_body(request)
+        body = await json_object_body(request)
         if isinstance(body, Response):
             return body
-        if not isinstance(body, dict):
-            return error_response(400, "body: must be a JSON object")
         try:
             session_id = check_session_id(body.get("session_id"))
         except ValueError as e:
