@@ -243,7 +243,7 @@ class LoRASettings(Section):
     lora_target_modules: tuple[str, ...] | None = setting(None, "projections that may carry LoRA: all, or some "
                                                                 "of q_proj k_proj v_proj o_proj gate_proj up_proj "
                                                                 "down_proj; unset: all")
-    lora_backend: str = setting("auto", "auto (triton on CUDA, torch on CPU) | triton (each token's own adapter "
+    lora_backend: str = setting("auto", "auto (on CUDA triton up to 8 tokens a forward, torch above; torch on CPU) | triton (each token's own adapter "
                                         "by gathered kernels) | torch (every slot's products, masked per token)",
                                 choices=("auto", "torch", "triton"),
                                 refusal="is not implemented (auto, triton and torch are; csgmv is not)")

@@ -44,6 +44,8 @@ def _config(kind: str, vocab_size: int):
     gemma = dict(head_dim=16, sliding_window=WINDOW, query_pre_attn_scalar=24)
     return {
         "llama": lambda: tf.LlamaConfig(**shape, tie_word_embeddings=True),
+        # FlashInfer's smallest head size (test_gpu_lora.py's CUDA graphs)
+        "llama_head64": lambda: tf.LlamaConfig(**shape, head_dim=64, tie_word_embeddings=True),
         "llama3_rope": lambda: tf.LlamaConfig(**shape, rope_scaling={
             "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
             "original_max_position_embeddings": 64}),

@@ -78,7 +78,7 @@ CASES = [
     (triton_lora._shrink_kernel, {"rows_ptr": "*i64", "scaling_ptr": "*fp32", "h_ptr": "*fp32"},
      {"NUM_SLOTS": 8, "RANK": 16, "RANK_P2": 16, "BLOCK_K": 128}, 4),
     (triton_lora._expand_kernel, {"h_ptr": "*fp32", "rows_ptr": "*i64"},
-     {"NUM_SLOTS": 8, "RANK": 16, "RANK_P2": 16, "BLOCK_N": 64}, 4),
+     {"NUM_PARTS": 3, "SPLITS": 2, "NUM_SLOTS": 8, "RANK": 16, "RANK_P2": 16, "BLOCK_N": 64}, 4),
 ]
 
 

@@ -13,6 +13,7 @@ token's own adapter instead. A batch with no adapter token skips all of it.
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field
 
 import torch
@@ -102,14 +103,15 @@ class BatchAdapters:
     its adapter's scaling, the rest 0. None when no token uses an adapter."""
 
     def __init__(self, num_slots: int, max_rank: int, device: torch.device, dtype: torch.dtype,
-                 triton: bool = False):
-        """triton: the products by the gathered kernels of triton_lora.py (CUDA), not masks."""
+                 triton_max_tokens: int = 0):
+        """triton_max_tokens: forwards of up to this many tokens take their products from the
+        gathered kernels of triton_lora.py (CUDA), larger ones (and all with 0) from the masks."""
         self.num_slots, self.max_rank = num_slots, max_rank
         # Row s: slot s's columns at its scaling; the last row (base-model tokens) all zeros.
         self.table = torch.zeros(num_slots + 1, num_slots * max_rank, device=device, dtype=dtype)
         self.scaling = torch.zeros(num_slots, device=device, dtype=torch.float32)  # for the kernels
         self.device = device
-        self.triton = triton
+        self.triton_max_tokens = triton_max_tokens
         self.rows: torch.Tensor | None = None  # each token's table row this forward; None: no adapters
         self._masks: dict[int, torch.Tensor] = {}
 
@@ -161,14 +163,14 @@ class LoRALinear(nn.Module):
         kw = {"device": weight.device, "dtype": batch.table.dtype}
         # A of every part, stacked: rows [p * slots * rank + s * rank, ... + rank) are part p, slot s.
         self.register_buffer("lora_a", torch.zeros(len(parts) * slots * rank, fan_in, **kw), persistent=False)
-        for i, p in enumerate(parts):  # B of each part: [out_p, slots * rank]
-            self.register_buffer(f"lora_b{i}", torch.zeros(shapes[p][1], slots * rank, **kw), persistent=False)
-        self._b: list[torch.Tensor] = [getattr(self, f"lora_b{i}") for i in range(len(parts))]
         offsets, start = [], 0
         for p in parts:
             offsets.append((start, start + shapes[p][1]))
             start += shapes[p][1]
         self.offsets = offsets
+        # B of every part stacked by output rows, [out, slots * rank]; self._b: each part's rows.
+        self.register_buffer("lora_b", torch.zeros(start, slots * rank, **kw), persistent=False)
+        self._b: list[torch.Tensor] = [self.lora_b[a:b] for a, b in offsets]
 
     @property
     def weight(self) -> torch.Tensor:  # code that reads a projection's weight sees the base one
@@ -194,10 +196,10 @@ class LoRALinear(nn.Module):
         batch = self.batch
         if batch.rows is None:
             return out
-        if batch.triton:
+        if x.shape[0] <= batch.triton_max_tokens:
             from .triton_lora import lora_shrink_expand
 
-            return lora_shrink_expand(x, out, self.lora_a, self._b, self.offsets, batch.rows, batch.scaling,
+            return lora_shrink_expand(x, out, self.lora_a, self.lora_b, self.offsets, batch.rows, batch.scaling,
                                       batch.num_slots, batch.max_rank)
         h = F.linear(x, self.lora_a) * batch.mask(len(self.parts))
         width = self.batch.num_slots * self.batch.max_rank
@@ -215,11 +217,11 @@ class LoRASlots:
 
     def __init__(self, model: nn.Module, full_config: ModelConfig, num_slots: int, max_rank: int,
                  targets: tuple[str, ...], device: torch.device, dtype: torch.dtype, shard=None,
-                 triton: bool = False):
+                 triton_max_tokens: int = 0):
         """full_config: the whole model's (an adapter's tensors are checked against it); the
-        model holds this rank's part of it (`shard`, under tensor parallelism). triton: the
-        gathered kernels (triton_lora.py) instead of the masked products."""
-        self.batch = BatchAdapters(num_slots, max_rank, device, dtype, triton)
+        model holds this rank's part of it (`shard`, under tensor parallelism).
+        triton_max_tokens: see BatchAdapters."""
+        self.batch = BatchAdapters(num_slots, max_rank, device, dtype, triton_max_tokens)
         self.full_config, self.dtype, self.shard = full_config, dtype, shard
         self.host: dict[int, AdapterWeights] = {}
         shapes = module_shapes(model.config)
@@ -273,10 +275,22 @@ def lora_bytes(config: ModelConfig, num_slots: int, max_rank: int, targets: tupl
     return per_layer * config.num_layers * torch.finfo(dtype).bits // 8
 
 
-def uses_triton(args) -> bool:
-    """--lora-backend: auto is the gathered Triton kernels on CUDA, the masked products on CPU."""
+# --lora-backend auto on CUDA: the gathered kernels for forwards of up to this many tokens, the
+# masked products (cuBLAS) above. Per projection of the Llama-3.1-8B shape with 8 rank-16
+# adapters, replayed from CUDA graphs on an H100 (2026-12-05, bench_gpu_lora_kernel.py): at 1
+# token the kernels took 47 us for the four projections against 52 us, at 64 tokens 82 against 56.
+AUTO_TRITON_MAX_TOKENS = 8
+
+
+def triton_max_tokens(args) -> int:
+    """--lora-backend: triton always takes the gathered kernels, torch never, auto on CUDA for
+    forwards of up to AUTO_TRITON_MAX_TOKENS tokens (decode of small batches)."""
     backend = args.lora.lora_backend
-    return backend == "triton" or (backend == "auto" and args.model.resolved_device().startswith("cuda"))
+    if backend == "triton":
+        return sys.maxsize
+    if backend == "auto" and args.model.resolved_device().startswith("cuda"):
+        return AUTO_TRITON_MAX_TOKENS
+    return 0
 
 
 def check_lora_supported(args, config: ModelConfig) -> None:

@@ -1,11 +1,14 @@
 """LoRA's low-rank products as gathered GEMVs (`--lora-backend triton`, CUDA): each token reads
 only its own adapter's A and B, where the torch path (layers.py) multiplies every slot's and
-masks. Two kernels per projection, whose shapes are the batch's and the slots' (a CUDA graph
-captures them):
+masks. Two kernels per projection whatever its parts, whose shapes are the batch's and the
+slots' (a CUDA graph captures them):
 
-- shrink: h[t, p] = scaling[slot_t] * A[p, slot_t] @ x[t], for every part p (q|k|v of qkv_proj,
-  gate|up of gate_up_proj), in fp32;
-- expand: out[t, part p's columns] += B_p[:, slot_t] @ h[t, p].
+- shrink: partial[t, p, s] = scaling[slot_t] * A[p, slot_t][:, K split s] @ x[t, K split s],
+  for every part p (q|k|v of qkv_proj, gate|up of gate_up_proj), in fp32. K is cut into
+  splits of K_PER_SPLIT so that a long input (down_proj's 14336) is read by several programs;
+- expand: out[t, n] += B[n, slot_t] @ sum_s partial[t, part(n), s], the splits added in
+  order (the result does not depend on the batch or on timing), every part's columns in
+  one launch.
 
 A token of the base model (its row is the slots' count) loads nothing and adds nothing.
 """
@@ -16,31 +19,39 @@ import torch
 import triton
 import triton.language as tl
 
+K_PER_SPLIT = 2048  # a multiple of the shrink's BLOCK_K
+BLOCK_K = 128
+BLOCK_N = 64
+
 
 @triton.jit
-def _shrink_kernel(x_ptr, a_ptr, rows_ptr, scaling_ptr, h_ptr, K, stride_x, NUM_SLOTS: tl.constexpr,
+def _shrink_kernel(x_ptr, a_ptr, rows_ptr, scaling_ptr, h_ptr, K, stride_x, K_PER_SPLIT, NUM_SLOTS: tl.constexpr,
                    RANK: tl.constexpr, RANK_P2: tl.constexpr, BLOCK_K: tl.constexpr):
     t = tl.program_id(0)
     p = tl.program_id(1)
+    split = tl.program_id(2)
     row = tl.load(rows_ptr + t)
     slot = tl.minimum(row, NUM_SLOTS - 1)
     r = tl.arange(0, RANK_P2)
     r_ok = (r < RANK) & (r * 0 + row < NUM_SLOTS)  # a base-model token loads nothing
     a_rows = (p * NUM_SLOTS + slot) * RANK + r  # lora_a's rows: part, then slot, then rank
     acc = tl.zeros([RANK_P2], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    k_end = tl.minimum(split * K_PER_SPLIT + K_PER_SPLIT, K)
+    for k0 in range(split * K_PER_SPLIT, k_end, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
-        k_ok = (k < K) & (k * 0 + row < NUM_SLOTS)
+        k_ok = (k < k_end) & (k * 0 + row < NUM_SLOTS)
         xv = tl.load(x_ptr + t * stride_x + k, mask=k_ok, other=0.0).to(tl.float32)
         a = tl.load(a_ptr + a_rows[:, None] * K + k[None, :], mask=r_ok[:, None] & k_ok[None, :], other=0.0)
         acc += tl.sum(a.to(tl.float32) * xv[None, :], axis=1)
     scaling = tl.load(scaling_ptr + slot)
-    tl.store(h_ptr + (t * tl.num_programs(1) + p) * RANK_P2 + r, acc * scaling)
+    out = ((t * tl.num_programs(1) + p) * tl.num_programs(2) + split) * RANK_P2 + r
+    tl.store(h_ptr + out, acc * scaling)
 
 
 @triton.jit
-def _expand_kernel(h_ptr, b_ptr, rows_ptr, out_ptr, N, stride_out, NUM_PARTS, PART, NUM_SLOTS: tl.constexpr,
-                   RANK: tl.constexpr, RANK_P2: tl.constexpr, BLOCK_N: tl.constexpr):
+def _expand_kernel(h_ptr, b_ptr, rows_ptr, out_ptr, N, stride_out, BOUND1, BOUND2, NUM_PARTS: tl.constexpr,
+                   SPLITS: tl.constexpr, NUM_SLOTS: tl.constexpr, RANK: tl.constexpr, RANK_P2: tl.constexpr,
+                   BLOCK_N: tl.constexpr):
     t = tl.program_id(0)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     row = tl.load(rows_ptr + t)
@@ -48,31 +59,39 @@ def _expand_kernel(h_ptr, b_ptr, rows_ptr, out_ptr, N, stride_out, NUM_PARTS, PA
     r = tl.arange(0, RANK_P2)
     r_ok = (r < RANK) & (r * 0 + row < NUM_SLOTS)
     n_ok = (n < N) & (n * 0 + row < NUM_SLOTS)
-    h = tl.load(h_ptr + (t * NUM_PARTS + PART) * RANK_P2 + r, mask=r_ok, other=0.0)
-    # B_p is [N, slots * rank]: slot s's columns are [s * rank, (s + 1) * rank).
-    b = tl.load(b_ptr + n[:, None] * (NUM_SLOTS * RANK) + slot * RANK + r[None, :],
-                mask=n_ok[:, None] & r_ok[None, :], other=0.0)
-    delta = tl.sum(b.to(tl.float32) * h[None, :], axis=1)
+    part = (n >= BOUND1).to(tl.int32) + (n >= BOUND2).to(tl.int32)  # parts' first columns: 0, BOUND1, BOUND2
+    first = ((t * NUM_PARTS + part[:, None]) * SPLITS) * RANK_P2 + r[None, :]
+    hmask = n_ok[:, None] & r_ok[None, :]
+    h = tl.load(h_ptr + first, mask=hmask, other=0.0)
+    for split in tl.static_range(1, SPLITS):
+        h += tl.load(h_ptr + first + split * RANK_P2, mask=hmask, other=0.0)
+    # B is [N, slots * rank]: slot s's columns are [s * rank, (s + 1) * rank).
+    b = tl.load(b_ptr + n[:, None] * (NUM_SLOTS * RANK) + slot * RANK + r[None, :], mask=hmask, other=0.0)
+    delta = tl.sum(b.to(tl.float32) * h, axis=1)
     out = tl.load(out_ptr + t * stride_out + n, mask=n_ok, other=0.0)
     tl.store(out_ptr + t * stride_out + n, (out.to(tl.float32) + delta).to(out.dtype), mask=n_ok)
 
 
-def lora_shrink_expand(x: torch.Tensor, out: torch.Tensor, lora_a: torch.Tensor, b_parts: list[torch.Tensor],
+def lora_shrink_expand(x: torch.Tensor, out: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
                        offsets: list[tuple[int, int]], rows: torch.Tensor, scaling: torch.Tensor, num_slots: int,
                        rank: int) -> torch.Tensor:
     """out (the base projection's output, [T, N]) plus every token's own adapter's product.
-    rows: [T] each token's slot (num_slots: the base model); scaling: [num_slots] fp32."""
+    lora_b: every part's B stacked by output rows, [N, slots * rank]; offsets: each part's
+    columns of `out`; rows: [T] each token's slot (num_slots: the base model); scaling:
+    [num_slots] fp32."""
     tokens, fan_in = x.shape
     rank_p2 = triton.next_power_of_2(rank)
-    parts = len(b_parts)
-    h = torch.empty(tokens, parts, rank_p2, dtype=torch.float32, device=x.device)
+    parts = len(offsets)
+    if parts > 3:
+        raise ValueError(f"lora_shrink_expand: {parts} parts (at most 3)")
+    splits = triton.cdiv(fan_in, K_PER_SPLIT)
+    h = torch.empty(tokens, parts, splits, rank_p2, dtype=torch.float32, device=x.device)
     x = x.contiguous()
-    _shrink_kernel[(tokens, parts)](x, lora_a, rows, scaling, h, fan_in, x.stride(0), NUM_SLOTS=num_slots,
-                                    RANK=rank, RANK_P2=rank_p2, BLOCK_K=128)
-    for part, (b, (start, stop)) in enumerate(zip(b_parts, offsets)):
-        view = out[:, start:stop]
-        block_n = 64
-        _expand_kernel[(tokens, triton.cdiv(stop - start, block_n))](
-            h, b, rows, view, stop - start, out.stride(0), parts, part, NUM_SLOTS=num_slots, RANK=rank,
-            RANK_P2=rank_p2, BLOCK_N=block_n)
+    _shrink_kernel[(tokens, parts, splits)](x, lora_a, rows, scaling, h, fan_in, x.stride(0), K_PER_SPLIT,
+                                            NUM_SLOTS=num_slots, RANK=rank, RANK_P2=rank_p2, BLOCK_K=BLOCK_K)
+    n = offsets[-1][1]
+    bounds = [start for start, _ in offsets[1:]] + [n] * (3 - parts)
+    _expand_kernel[(tokens, triton.cdiv(n, BLOCK_N))](
+        h, lora_b, rows, out, n, out.stride(0), bounds[0], bounds[1], NUM_PARTS=parts, SPLITS=splits,
+        NUM_SLOTS=num_slots, RANK=rank, RANK_P2=rank_p2, BLOCK_N=BLOCK_N)
     return out
