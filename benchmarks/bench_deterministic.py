@@ -72,10 +72,10 @@ def shared_prefix(engine, prompts, out_len: int) -> dict:
     return {"seconds": round(seconds, 2), "total_tok_s": round(sum(len(p) + out_len for p in prompts) / seconds, 1)}
 
 
-def workloads(gpu: bool):
+def workloads(gpu: bool, num_requests: int = 1000):
     """(name, function of an engine) per workload, sized for the device."""
     if gpu:
-        prompts, out_lens = offline_workload()
+        prompts, out_lens = offline_workload(num=num_requests)
         groups = shared_prefix_workload(num_groups=8)
         decode_prompt = random_prompts(random.Random(1), [512])[0]
         return [("offline", lambda e: offline(e, prompts, out_lens)),
@@ -97,6 +97,7 @@ def main() -> None:
     add_engine_model_flags(parser)
     parser.add_argument("--repeats", type=int, default=2, help="runs per workload and engine; the best is kept")
     parser.add_argument("--out", default=None, help="append the JSON lines to this file")
+    parser.add_argument("--num-requests", type=int, default=1000, help="GPU: requests of the offline workload")
     args = parser.parse_args()
 
     from radixlm.srt import Engine
@@ -106,7 +107,7 @@ def main() -> None:
     frame = run_frame(device)
     report = Reporter(args.out, command=command_line())
     model_args, model = engine_model(args)
-    runs = workloads(gpu)
+    runs = workloads(gpu, args.num_requests)
     results: dict[str, dict[str, dict]] = {}
     for label, flag in (("baseline", False), ("deterministic", True)):
         engine = Engine(**model_args, enable_deterministic_inference=flag)
