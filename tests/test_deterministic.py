@@ -188,8 +188,8 @@ def test_a_model_it_cannot_make_invariant_is_refused_by_name(tmp_path):
     from torch import nn
 
     model = nn.Sequential(nn.Linear(4, 4))
-    with pytest.raises(ValueError, match="enable_deterministic_inference: not implemented on cuda"):
-        make_batch_invariant(model, torch.device("cuda"))
+    with pytest.raises(ValueError, match="enable_deterministic_inference: not implemented on mps"):
+        make_batch_invariant(model, torch.device("mps"))
     model[0].weight.data = model[0].weight.data.to(torch.float8_e4m3fn)
     with pytest.raises(ValueError, match="FP8 weights"):
         make_batch_invariant(model, torch.device("cpu"))

@@ -7,8 +7,8 @@ same bits at every row count but 1, so each projection keeps a oneDNN-packed cop
 and a single row is padded to 2. MKL's sgemm (F.linear) varies below 4 rows per thread, so the
 attention's batched products, which run through it, pad to 4 (pad_rows). The measurements, and
 the MKL-only variant that made decode slower, are in docs/deterministic.md.
-On CUDA the projections are to run in our own GEMM of one configuration
-(batch_invariant_gemm.py); the flag is refused there until the GPU tests have passed on a GPU.
+On CUDA the projections run in our own Triton GEMM of one configuration
+(batch_invariant_gemm.py): no split-K, one tile shape whatever the row count.
 """
 
 from __future__ import annotations
@@ -62,13 +62,33 @@ def check_deterministic_settings(args) -> None:
                          f"{args.speculative.speculative_algorithm}")
 
 
+class CudaLinear:
+    """x @ weight^T (+ bias) in the batch-invariant Triton GEMM; any leading axes."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
+        self.weight = weight.detach()
+        self.bias = None if bias is None else bias.detach()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        from .batch_invariant_gemm import invariant_linear_cuda
+
+        lead = x.shape[:-1]
+        out = invariant_linear_cuda(x.reshape(-1, x.shape[-1]), self.weight, self.bias)
+        return out.view(*lead, self.weight.shape[0])
+
+
+def invariant_product(weight: torch.Tensor, bias: torch.Tensor | None = None):
+    """The batch-invariant x @ weight^T (+ bias) for the weight's device."""
+    return PackedLinear(weight, bias) if weight.device.type == "cpu" else CudaLinear(weight, bias)
+
+
 class InvariantLinear(nn.Module):
-    """A loaded projection (its weight and bias, shared) computed by PackedLinear."""
+    """A loaded projection (its weight and bias, shared) computed batch-invariantly."""
 
     def __init__(self, linear: nn.Linear):
         super().__init__()
         self.weight, self.bias = linear.weight, linear.bias
-        self.product = PackedLinear(linear.weight, linear.bias)
+        self.product = invariant_product(linear.weight, linear.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.product(x)
@@ -79,11 +99,9 @@ def make_batch_invariant(model: nn.Module, device: torch.device) -> int:
     how many were replaced. Raises ValueError naming what cannot be: a device or build without
     the kernels, layers that are not plain projections (FP8, mixture-of-experts)."""
     name = "enable_deterministic_inference"
-    if device.type != "cpu":
-        # The CUDA projections are written (batch_invariant_gemm.py) but the whole path has not
-        # yet run on a GPU: tests/test_gpu_deterministic.py must pass there before it is offered.
-        raise ValueError(f"{name}: not implemented on {device.type} yet (CPU is)")
-    if not torch.backends.mkldnn.is_available():
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"{name}: not implemented on {device.type} (CPU and CUDA are)")
+    if device.type == "cpu" and not torch.backends.mkldnn.is_available():
         raise ValueError(f"{name}: needs a torch build with oneDNN (mkldnn) on CPU")
     if any(p.element_size() == 1 for p in model.parameters()):
         raise ValueError(f"{name}: FP8 weights are not batch-invariant yet")
@@ -98,6 +116,6 @@ def make_batch_invariant(model: nn.Module, device: torch.device) -> int:
             if is_plain_linear(child):
                 setattr(parent, child_name, InvariantLinear(child))
                 replaced += 1
-    head = PackedLinear(model.lm_head_weight)
-    model.head_linear = lambda x, weight: head(x)  # `weight` is the one packed into `head`
+    head = invariant_product(model.lm_head_weight)
+    model.head_linear = lambda x, weight: head(x)  # `weight` is the one `head` holds
     return replaced
