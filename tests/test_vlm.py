@@ -411,3 +411,49 @@ def test_options_a_vlm_does_not_run_with_are_refused_by_name(settings: dict, mes
     _build("llama", tokenizer, tmp_path)
     with pytest.raises(ValueError, match=message):
         Engine(model_path=str(tmp_path), max_total_tokens=1024, **settings)
+
+
+def test_a_program_with_two_images_a_fork_and_a_select_runs(server) -> None:
+    """sgl.image in the language: the program's calls equal /generate with the same text and
+    images, the fork's branches reuse the trunk's image KV, select scores after images."""
+    import radixlm as sgl
+
+    backend = sgl.RuntimeEndpoint(server.base_url)
+    first, second = _image((50, 50), 21), _image((40, 60), 22)
+
+    @sgl.function
+    def compare(s, a, b):
+        s += "Compare " + sgl.image(a) + " with " + sgl.image(b) + "."
+        branches = s.fork(2)
+        for branch, question in zip(branches, (" Colors:", " Shapes:")):
+            branch += question + sgl.gen("answer", max_tokens=4, temperature=0)
+        s += " Same?" + sgl.select("same", choices=[" yes", " no"])
+        s["answers"] = [branch["answer"] for branch in branches]
+        s["cached"] = [branch.get_meta_info("answer")["cached_tokens"] for branch in branches]
+
+    state = compare.run(first, second, backend=backend)
+    assert state.text().startswith("Compare <image> with <image>.")
+    assert state["same"] in (" yes", " no")
+    with server.client() as client:
+        direct = client.post("/generate", json={
+            "text": "Compare <image> with <image>. Colors:", "image_data": [_data_url(first), _data_url(second)],
+            "sampling_params": {"max_new_tokens": 4, "temperature": 0}}).json()
+    assert state["answers"][0] == direct["text"]
+    assert all(cached >= 2 * 16 for cached in state["cached"])  # both images' tokens came from the cache
+    # A batch of programs over images, and a model that takes none refuses by name.
+    states = compare.run_batch([{"a": first, "b": second}, {"a": second, "b": first}], backend=backend)
+    assert states[0]["answers"] == state["answers"] and all(s["same"] in (" yes", " no") for s in states)
+
+
+def test_the_language_refuses_video_and_images_on_the_openai_backend() -> None:
+    import radixlm as sgl
+
+    with pytest.raises(NotImplementedError, match="video: not implemented"):
+        sgl.video("clip.mp4", 8)
+
+    @sgl.function
+    def look(s):
+        s += sgl.image(_data_url(_image((8, 8), 1))) + sgl.gen("x", max_tokens=1)
+
+    with pytest.raises(sgl.BackendError, match="image: OpenAI sends no images"):
+        look.run(backend=sgl.OpenAI("some-model", base_url="http://127.0.0.1:9", api_key="none"))
