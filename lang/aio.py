@@ -65,7 +65,7 @@ class _ForkPoint(Expr):
 
     async def run(self, trunk: "AsyncExecutor") -> None:
         if len(self.branches) > 1 and trunk.text_:
-            await trunk.backend.acache_prefix(trunk.text_, tuple(trunk.images_))
+            await trunk.backend.acache_prefix(trunk.text_, *trunk.prefix_images())
         for child in self.branches:
             child.text_, child.messages_, child.images_ = trunk.text_, list(trunk.messages_), list(trunk.images_)
             child.variables, child.meta_info = dict(trunk.variables), dict(trunk.meta_info)
@@ -223,7 +223,7 @@ class AsyncExecutor(StreamExecutor):
             self._select_finish(expr, decision)
         elif isinstance(expr, CommitPrefix):
             if self.text_:
-                await self.backend.acache_prefix(self.text_, tuple(self.images_))
+                await self.backend.acache_prefix(self.text_, *self.prefix_images())
         elif isinstance(expr, _ForkPoint):
             await expr.run(self)
         else:

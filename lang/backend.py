@@ -94,7 +94,7 @@ class Backend(ABC):
         return await asyncio.to_thread(self.select, prompt, choices, temperature, method)
 
     async def acache_prefix(self, text: str, images: tuple[str, ...] = ()) -> None:
-        await asyncio.to_thread(self.cache_prefix, text, images)
+        await asyncio.to_thread(self.cache_prefix, text, *((images,) if images else ()))
 
     async def aget_chat_template(self) -> ChatRenderer:
         return await asyncio.to_thread(self.get_chat_template)

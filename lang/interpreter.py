@@ -226,7 +226,7 @@ class StreamExecutor:
             self._append_image(expr.data_url)
         elif isinstance(expr, CommitPrefix):
             if self.text_:
-                self.backend.cache_prefix(self.text_, tuple(self.images_))
+                self.backend.cache_prefix(self.text_, *self.prefix_images())
         else:
             raise TypeError(f"unknown expression {expr!r}")
 
@@ -234,6 +234,11 @@ class StreamExecutor:
         with self._cond:
             self.text_ += text
             self._cond.notify_all()
+
+    def prefix_images(self) -> tuple:
+        """cache_prefix's extra argument: the images, only when there are any (so a backend
+        written before images, with cache_prefix(text), keeps working)."""
+        return (tuple(self.images_),) if self.images_ else ()
 
     def _append_image(self, data_url: str) -> None:
         token = self.backend.image_token()
