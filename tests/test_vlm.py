@@ -20,6 +20,7 @@ import torch
 from PIL import Image
 
 from benchmarks.harness import ServerProcess
+from benchmarks.vlm_models import build_tiny_llava, with_image_token
 from radixlm.srt import Engine
 
 LOGPROB_TOL = 2e-3
@@ -37,40 +38,15 @@ MAX_IMAGES, MAX_PIXELS = 3, 200 * 200  # the server's limits in the tests below
 def tokenizer():
     from radixlm.srt.executor.model_loader import default_model_path, load_tokenizer
 
-    tok = load_tokenizer(default_model_path())
-    tok.add_special_tokens({"additional_special_tokens": ["<image>"]})
-    return tok
+    return with_image_token(load_tokenizer(default_model_path()))
 
 
 def _build(kind: str, tokenizer, path: Path) -> torch.nn.Module:
     """A tiny LLaVA of `kind`, every tensor random, saved with the tokenizer and a CLIP image
     processor config into `path` as a user's checkpoint directory is."""
-    import transformers as tf
-
     text_type, strategy, layer = KINDS[kind]
-    text = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                num_key_value_heads=2, max_position_embeddings=512, vocab_size=len(tokenizer), bos_token_id=1,
-                eos_token_id=2)
-    text_config = tf.LlamaConfig(**text) if text_type == "llama" else tf.Qwen2Config(**text)
-    vision_config = tf.CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=3,
-                                        num_attention_heads=4, image_size=IMAGE_SIZE, patch_size=PATCH)
-    config = tf.LlavaConfig(vision_config=vision_config, text_config=text_config,
-                            image_token_index=tokenizer.convert_tokens_to_ids("<image>"),
-                            vision_feature_select_strategy=strategy, vision_feature_layer=layer)
-    torch.manual_seed(0)
-    model = tf.LlavaForConditionalGeneration(config).eval()
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "norm" in name:  # the tower's LayerNorms near 1, so that each image's signal reaches the text
-                param.normal_(1.0 if "vision_tower" in name else 0.0, 0.1)
-            else:
-                param.normal_(0.0, 0.05 if "embed" in name else 0.1)
-        model.model.language_model.norm.weight.normal_(0.0, FINAL_NORM)  # spread logprobs (test_model_families)
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    tf.CLIPImageProcessorPil(size={"shortest_edge": IMAGE_SIZE},
-                             crop_size={"height": IMAGE_SIZE, "width": IMAGE_SIZE}).save_pretrained(path)
-    return model
+    return build_tiny_llava(path, tokenizer, text_type=text_type, strategy=strategy, layer=layer,
+                            image_size=IMAGE_SIZE, patch=PATCH, final_norm=FINAL_NORM)
 
 
 def _image(size: tuple[int, int], seed: int) -> Image.Image:
@@ -289,6 +265,20 @@ def test_a_bad_chat_image_gets_400_naming_its_part(server) -> None:
         assert response.status_code == 400, response.text
         assert response.json()["error"]["param"] == "messages[0].content[1].image_url.url"
         assert client.get("/health").status_code == 200  # one bad request fails alone
+
+
+def test_a_50_mb_image_body_gets_413_and_the_server_keeps_serving(server) -> None:
+    """A ~50 MB base64 image is refused by its content-length, before any decoding, naming the
+    flag; the next request with an image is served as usual."""
+    with server.client() as client:
+        limit = client.get("/get_server_info").json()["max_request_bytes"]
+        payload = "data:image/png;base64," + base64.b64encode(b"\x89PNG\r\n\x1a\n" + bytes(37_500_000)).decode()
+        body = {"text": PROMPT_ONE, "image_data": payload, "sampling_params": {"max_new_tokens": 1}}
+        assert len(payload) > limit  # the fixture keeps the default limit (8 MiB)
+        response = client.post("/generate", json=body)
+        assert response.status_code == 413, response.text
+        assert f"over {limit} bytes (--max-request-bytes)" in response.json()["error"]["message"]
+        assert _generate(client, _data_url(_image((40, 30), 23)))["prompt_tokens"] > 16
 
 
 # ---------------------------------------------------------------- pieces
