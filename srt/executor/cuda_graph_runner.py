@@ -54,6 +54,7 @@ class CudaGraphRunner:
         self.input_ids = torch.zeros(self.max_bs, dtype=torch.int64, device=device)
         self.positions = torch.zeros(self.max_bs, dtype=torch.int64, device=device)
         self.out_cache_loc = torch.full((self.max_bs,), PADDING_SLOT, dtype=torch.int64, device=device)
+        self.logits: torch.Tensor | None = None  # [max_bs, vocab] float32, every graph's output
         # Each row's LoRA table row (the last one, all zeros, for the base model and padding).
         self.adapter_rows = None if lora is None else torch.full((self.max_bs,), lora.num_slots, dtype=torch.int64,
                                                                  device=device)
@@ -112,11 +113,17 @@ class CudaGraphRunner:
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             for _ in range(2):  # warm up: lazy inits and autotuning must not happen while capturing
-                run()
+                warm = run()
         torch.cuda.current_stream().wait_stream(stream)
+        if self.logits is None:  # the largest bucket comes first
+            self.logits = torch.empty(self.max_bs, *warm.shape[1:], dtype=warm.dtype, device=warm.device)
+        del warm
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=pool):
-            logits = run()
+            # Every graph writes into one buffer: a logits tensor kept alive per graph would pin
+            # bs x vocab floats for each of ~40 buckets and variants (GBs on an 8B model).
+            logits = self.logits[:bs]
+            logits.copy_(run())
         return logits, graph
 
     def replay(self, batch: ForwardBatch) -> torch.Tensor:
