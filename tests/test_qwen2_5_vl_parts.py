@@ -89,6 +89,9 @@ def test_vision_encoder_refuses_bad_input(hf_model, encoder):
         encoder(pixel_values[:-1], grid_thw)
     with pytest.raises(ValueError, match="multiples of 2"):
         encoder(pixel_values, torch.tensor([[1, 2, 8]]) + torch.tensor([[0, 1, 0]]))
+    # A checkpoint's config.json names the channels in_chans.
+    as_json = {k: v for k, v in hf_model.config.vision_config.to_dict().items() if k != "in_channels"}
+    assert VisionConfig.from_hf({**as_json, "in_chans": 3}) == encoder.config
     with pytest.raises(ValueError, match="hidden_act"):
         VisionConfig.from_hf({**hf_model.config.vision_config.to_dict(), "hidden_act": "gelu"})
     weights = {k: v for k, v in hf_model.state_dict().items() if "visual." in k}

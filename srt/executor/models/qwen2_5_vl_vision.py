@@ -54,7 +54,8 @@ class VisionConfig:
             if not isinstance(get(key, 1), int):
                 raise ValueError(f"vision_config.{key}={get(key)!r}: only a single int is supported")
         config = cls(depth=get("depth"), hidden_size=get("hidden_size"), intermediate_size=get("intermediate_size"),
-                     num_heads=get("num_heads"), in_channels=get("in_channels", 3), patch_size=get("patch_size", 14),
+                     num_heads=get("num_heads"), in_channels=get("in_channels", get("in_chans", 3)),
+                     patch_size=get("patch_size", 14),
                      temporal_patch_size=get("temporal_patch_size", 2),
                      spatial_merge_size=get("spatial_merge_size", 2), window_size=get("window_size", 112),
                      out_hidden_size=get("out_hidden_size"),
