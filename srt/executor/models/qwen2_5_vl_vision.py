@@ -4,7 +4,7 @@ Input is what HF's Qwen2VLImageProcessor produces: pixel_values [num_patches, C*
 image's patches in merge-block order (frame, block row, block col, row in block, col in block),
 and grid_thw [num_images, 3] in patches. Most blocks attend within windows of
 window_size // patch_size patches a side, the blocks in fullatt_block_indexes within each frame;
-both are packed segments over the batch, so images never attend to each other.
+both are segments of the packed batch, so images never attend to each other.
 """
 
 from __future__ import annotations
@@ -70,7 +70,7 @@ class VisionConfig:
 
 @dataclass(frozen=True)
 class VisionLayout:
-    """Where each patch goes for one batch of grids (host-side integers, moved to the device once).
+    """Where each patch goes for one batch of grids (host tensors; the forward moves what it uses).
 
     patch_order: the permutation that puts patches window by window (merge blocks kept whole);
     block_order: the same at merge-block granularity, to put merged features back in image order;
@@ -88,6 +88,8 @@ def check_grids(grid_thw: torch.Tensor, num_patches: int, config: VisionConfig) 
     """grid_thw as a list of (t, h, w), after checking it describes num_patches patches."""
     if grid_thw.dim() != 2 or grid_thw.shape[1] != 3:
         raise ValueError(f"grid_thw: expected shape [num_images, 3], got {tuple(grid_thw.shape)}")
+    if grid_thw.shape[0] == 0:
+        raise ValueError("grid_thw: no images")
     grids = [tuple(int(v) for v in row) for row in grid_thw.tolist()]
     m = config.spatial_merge_size
     for i, (t, h, w) in enumerate(grids):
@@ -113,7 +115,7 @@ def vision_layout(grids: list[tuple[int, int, int]], config: VisionConfig) -> Vi
         # A stable sort keeps row-major order inside each window.
         block_orders.append(torch.argsort(window_id, stable=True) + block_base)
         window_lens.append(torch.bincount(window_id, minlength=t * wins_h * wins_w) * unit)
-        frame_lens += [h * w] * t
+        frame_lens.append(torch.full((t,), h * w))
         # Patch (row, col) in processor order: blocks row-major, then row-major inside a block.
         inner_r, inner_c = torch.meshgrid(torch.arange(m), torch.arange(m), indexing="ij")
         rows = (row.flatten()[:, None] * m + inner_r.flatten()[None, :]).flatten()
@@ -124,9 +126,8 @@ def vision_layout(grids: list[tuple[int, int, int]], config: VisionConfig) -> Vi
     patch_order = (block_order[:, None] * unit + torch.arange(unit)[None, :]).flatten()
     hw_positions = torch.cat(positions)[patch_order]
 
-    def cumulative(lens: list[torch.Tensor] | list[int]) -> torch.Tensor:
-        lens = torch.cat(lens) if lens and isinstance(lens[0], torch.Tensor) else torch.tensor(lens)
-        return F.pad(lens.cumsum(0), (1, 0))
+    def cumulative(lens: list[torch.Tensor]) -> torch.Tensor:
+        return F.pad(torch.cat(lens).cumsum(0), (1, 0))
 
     return VisionLayout(patch_order=patch_order, block_order=block_order, cu_windows=cumulative(window_lens),
                         cu_frames=cumulative(frame_lens), hw_positions=hw_positions)
@@ -134,31 +135,29 @@ def vision_layout(grids: list[tuple[int, int, int]], config: VisionConfig) -> Vi
 
 @dataclass(frozen=True)
 class SegmentPlan:
-    """How to run attention within contiguous segments as one padded batch, on the device.
+    """Attention within contiguous segments, those of equal length batched into one SDPA call:
+    no padding and no mask, so a large image never pads a batch of small windows or images.
 
-    gather: [S, L] token index per padded slot; key_mask: [S, 1, 1, L] or None when no segment is
-    padded; keep: the flat padded slots holding real tokens, in token order.
+    groups: [segments, length] token indices per distinct length (on the device);
+    restore: the permutation from the groups' concatenated outputs back to token order.
     """
-    gather: torch.Tensor
-    key_mask: torch.Tensor | None
-    keep: torch.Tensor
+    groups: tuple[torch.Tensor, ...]
+    restore: torch.Tensor
 
 
 def segment_plan(cu_seqlens: torch.Tensor, device: torch.device) -> SegmentPlan:
     """Built on the host from host boundaries, so that no block needs a device sync."""
-    lens = cu_seqlens[1:] - cu_seqlens[:-1]
-    offsets = torch.arange(int(lens.max()))
-    valid = offsets[None, :] < lens[:, None]
-    gather = torch.where(valid, cu_seqlens[:-1, None] + offsets[None, :], 0)
-    key_mask = None if bool(valid.all()) else valid[:, None, None, :].to(device)
-    return SegmentPlan(gather=gather.to(device), key_mask=key_mask, keep=valid.flatten().nonzero()[:, 0].to(device))
+    starts, lens = cu_seqlens[:-1], cu_seqlens[1:] - cu_seqlens[:-1]
+    groups = [starts[lens == length][:, None] + torch.arange(length)[None, :] for length in lens.unique().tolist()]
+    restore = torch.argsort(torch.cat([group.flatten() for group in groups]))
+    return SegmentPlan(groups=tuple(group.to(device) for group in groups), restore=restore.to(device))
 
 
 def segment_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: SegmentPlan) -> torch.Tensor:
     """Bidirectional attention within each segment of the plan. q, k, v: [N, H, D] -> [N, H, D]."""
-    out = F.scaled_dot_product_attention(*(x[plan.gather].transpose(1, 2) for x in (q, k, v)),
-                                         attn_mask=plan.key_mask)
-    return out.transpose(1, 2).flatten(0, 1)[plan.keep]
+    outs = [F.scaled_dot_product_attention(*(x[index].transpose(1, 2) for x in (q, k, v))).transpose(1, 2)
+            for index in plan.groups]
+    return torch.cat([out.flatten(0, 1) for out in outs])[plan.restore]
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
