@@ -65,9 +65,9 @@ class _ForkPoint(Expr):
 
     async def run(self, trunk: "AsyncExecutor") -> None:
         if len(self.branches) > 1 and trunk.text_:
-            await trunk.backend.acache_prefix(trunk.text_)
+            await trunk.backend.acache_prefix(trunk.text_, *trunk.prefix_images())
         for child in self.branches:
-            child.text_, child.messages_ = trunk.text_, list(trunk.messages_)
+            child.text_, child.messages_, child.images_ = trunk.text_, list(trunk.messages_), list(trunk.images_)
             child.variables, child.meta_info = dict(trunk.variables), dict(trunk.meta_info)
             child._role, child._role_start, child._content_start = trunk._role, trunk._role_start, trunk._content_start
             child._chat, child._calls = trunk._chat, list(trunk._calls)
@@ -223,7 +223,7 @@ class AsyncExecutor(StreamExecutor):
             self._select_finish(expr, decision)
         elif isinstance(expr, CommitPrefix):
             if self.text_:
-                await self.backend.acache_prefix(self.text_)
+                await self.backend.acache_prefix(self.text_, *self.prefix_images())
         elif isinstance(expr, _ForkPoint):
             await expr.run(self)
         else:

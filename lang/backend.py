@@ -30,6 +30,7 @@ class Prompt:
     role_content: str = ""  # the open turn's content so far
     lora_path: str | None = None  # the LoRA adapter this call runs on (None: the base model)
     session_id: str | None = None  # the running program's session on the server (docs/sessions.md)
+    images: tuple[str, ...] = ()  # the text's images in order, as data URLs (one image token each)
 
 
 @dataclass(frozen=True)
@@ -52,8 +53,13 @@ class Backend(ABC):
     def select(self, prompt: Prompt, choices: list[str], temperature: float,
                method: ChoicesMethod) -> ChoiceDecision: ...
 
-    def cache_prefix(self, text: str) -> None:
-        """Computes `text` into the server's prefix cache without generating (a hint: may no-op)."""
+    def cache_prefix(self, text: str, images: tuple[str, ...] = ()) -> None:
+        """Computes `text` (with its `images`) into the server's prefix cache without
+        generating (a hint: may no-op)."""
+
+    def image_token(self) -> str:
+        """The text that stands for one image in a prompt; BackendError when the model takes none."""
+        raise BackendError(f"image: {type(self).__name__} sends no images")
 
     @abstractmethod
     def get_chat_template(self) -> ChatRenderer: ...
@@ -87,8 +93,8 @@ class Backend(ABC):
                       method: ChoicesMethod) -> ChoiceDecision:
         return await asyncio.to_thread(self.select, prompt, choices, temperature, method)
 
-    async def acache_prefix(self, text: str) -> None:
-        await asyncio.to_thread(self.cache_prefix, text)
+    async def acache_prefix(self, text: str, images: tuple[str, ...] = ()) -> None:
+        await asyncio.to_thread(self.cache_prefix, text, *((images,) if images else ()))
 
     async def aget_chat_template(self) -> ChatRenderer:
         return await asyncio.to_thread(self.get_chat_template)

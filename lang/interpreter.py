@@ -16,7 +16,7 @@ from typing import Any, Iterator
 from .backend import Backend, BackendError, Generation, Prompt
 from .chat_template import ChatRenderer
 from .choices import ChoiceDecision
-from .ir import (CommitPrefix, Constant, Expr, ExprList, Gen, RoleBegin, RoleEnd, Select,
+from .ir import (CommitPrefix, Constant, Expr, ExprList, Gen, Image, RoleBegin, RoleEnd, Select,
                  VarScopeBegin, VarScopeEnd, names_in, reasoning_name)
 from .sampling import SglSamplingParams
 
@@ -32,6 +32,7 @@ class StreamExecutor:
         self.threaded = threaded  # False: run each expression inline (the tracer)
         self.text_ = ""
         self.messages_: list[dict[str, Any]] = []
+        self.images_: list[str] = []  # the text's images in order (data URLs)
         self.variables: dict[str, Any] = {}
         self.meta_info: dict[str, Any] = {}
         self.partial: dict[str, str] = {}  # streaming gens' text so far
@@ -174,7 +175,7 @@ class StreamExecutor:
             child = StreamExecutor(self.backend, self.defaults, self.stream, self._chat, self.threaded)
             child.program_thread = self.program_thread
             child.session_id = self.backend.session_id() if self.session_id else None  # branches diverge
-            child.text_, child.messages_ = self.text_, list(self.messages_)
+            child.text_, child.messages_, child.images_ = self.text_, list(self.messages_), list(self.images_)
             child.variables, child.meta_info = dict(self.variables), dict(self.meta_info)
             child._role, child._role_start, child._content_start = self._role, self._role_start, self._content_start
             child._calls = list(self._calls)
@@ -221,15 +222,29 @@ class StreamExecutor:
             if start is None:
                 raise ValueError(f"var_scope {expr.name!r} ended without beginning")
             self._set(expr.name, self.text_[start:], None)
+        elif isinstance(expr, Image):
+            self._append_image(expr.data_url)
         elif isinstance(expr, CommitPrefix):
             if self.text_:
-                self.backend.cache_prefix(self.text_)
+                self.backend.cache_prefix(self.text_, *self.prefix_images())
         else:
             raise TypeError(f"unknown expression {expr!r}")
 
     def _append(self, text: str) -> None:
         with self._cond:
             self.text_ += text
+            self._cond.notify_all()
+
+    def prefix_images(self) -> tuple:
+        """cache_prefix's extra argument: the images, only when there are any (so a backend
+        written before images, with cache_prefix(text), keeps working)."""
+        return (tuple(self.images_),) if self.images_ else ()
+
+    def _append_image(self, data_url: str) -> None:
+        token = self.backend.image_token()
+        with self._cond:
+            self.images_.append(data_url)
+            self.text_ += token
             self._cond.notify_all()
 
     def _set(self, name: str | None, value: Any, meta: Any) -> None:
@@ -245,7 +260,8 @@ class StreamExecutor:
 
     def _prompt(self, lora_path: str | None = None) -> Prompt:
         content = self.text_[self._content_start:] if self._role else ""
-        return Prompt(self.text_, tuple(self.messages_), self._role, content, lora_path, self.session_id)
+        return Prompt(self.text_, tuple(self.messages_), self._role, content, lora_path, self.session_id,
+                      tuple(self.images_))
 
     # A gen is three steps: its request (prompt and parameters), the backend call (sync here,
     # awaited in aio.py), and its result into the text and variables.

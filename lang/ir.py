@@ -80,6 +80,12 @@ class VarScopeEnd(Expr):
 
 
 @dataclass(eq=False)
+class Image(Expr):
+    """An image at this point of the text: the model's image token, its pixels sent beside."""
+    data_url: str
+
+
+@dataclass(eq=False)
 class CommitPrefix(Expr):
     """Prefill the text so far into the server's cache (before a fork)."""
 
@@ -176,6 +182,20 @@ def select(name: str | None = None, choices: list[str] | None = None, temperatur
 def _role(role: str, expr: ExprLike | None) -> ExprList:
     inner = [] if expr is None else _items(as_expr(expr))
     return ExprList([RoleBegin(role), *inner, RoleEnd(role)])
+
+
+def image(x: Any) -> Image:
+    """An image in the program (SGLang's `sgl.image`): a path, bytes, a PIL image or a data URL.
+    Any number per program and per turn; the server must serve a vision-language model."""
+    from .images import image_data_url
+
+    return Image(image_data_url(x))
+
+
+def video(path: str, num_frames: int) -> Expr:
+    """SGLang's `sgl.video`: refused, no model radixlm serves takes video yet."""
+    raise NotImplementedError("video: not implemented (no model radixlm serves takes video); "
+                              "sample frames and add each with sgl.image")
 
 
 def system(expr: ExprLike | None = None) -> ExprList:

@@ -145,8 +145,11 @@ class Runtime(Backend):
     def select(self, prompt: Prompt, choices: list[str], temperature: float, method: ChoicesMethod) -> ChoiceDecision:
         return self.endpoint.select(prompt, choices, temperature, method)
 
-    def cache_prefix(self, text: str) -> None:
-        self.endpoint.cache_prefix(text)
+    def cache_prefix(self, text: str, images: tuple[str, ...] = ()) -> None:
+        self.endpoint.cache_prefix(text, images)
+
+    def image_token(self) -> str:
+        return self.endpoint.image_token()
 
     def get_chat_template(self) -> ChatRenderer:
         return self.endpoint.get_chat_template()

@@ -73,13 +73,20 @@ class RuntimeEndpoint(Backend):
         self._http.post_text("/flush_cache")
         return True
 
-    def cache_prefix(self, text: str) -> None:
+    def cache_prefix(self, text: str, images: tuple[str, ...] = ()) -> None:
         if text:
-            self._http.post("/generate", {"text": text, "sampling_params": _PREFILL_ONLY})
+            self._http.post("/generate", {"text": text, "sampling_params": _PREFILL_ONLY, **_images(images)})
 
-    async def acache_prefix(self, text: str) -> None:
+    async def acache_prefix(self, text: str, images: tuple[str, ...] = ()) -> None:
         if text:
-            await self._ahttp.post("/generate", {"text": text, "sampling_params": _PREFILL_ONLY})
+            await self._ahttp.post("/generate", {"text": text, "sampling_params": _PREFILL_ONLY, **_images(images)})
+
+    def image_token(self) -> str:
+        token = self.model_info.get("image_token")
+        if not token:
+            raise BackendError(f"image: the model at {self.base_url} ({self.model_info.get('model_path')}) "
+                               "takes no images")
+        return token
 
     # ---- program sessions --------------------------------------------------------------------
 
@@ -172,19 +179,21 @@ class RuntimeEndpoint(Backend):
     @staticmethod
     def _body(prompt: Prompt, params: SglSamplingParams) -> dict[str, Any]:
         return {"text": prompt.text, "sampling_params": params.wire_sampling(), **params.wire_logprob(),
-                **_adapter(prompt), **_session(prompt)}
+                **_adapter(prompt), **_session(prompt), **_images(prompt.images)}
 
     # ---- select ----------------------------------------------------------------------------
 
     def select(self, prompt: Prompt, choices: list[str], temperature: float, method: ChoicesMethod) -> ChoiceDecision:
         if not prompt.text:
             raise ValueError("select: needs some text before it to score the choices after")
-        ids = self.tokenize([prompt.text] + [prompt.text + c for c in choices])
+        # Token ids cannot carry images (the server expands each image's token): then text.
+        ids = None if prompt.images else self.tokenize([prompt.text] + [prompt.text + c for c in choices])
         adapter = _adapter(prompt)  # every scoring call runs on the prompt's adapter
         if ids is not None:
             logprobs, choice_ids = self._score_with_ids(ids[0], ids[1:], adapter, _session(prompt))
         else:
-            logprobs, choice_ids = self._score_with_text(prompt.text, choices, adapter, _session(prompt))
+            logprobs, choice_ids = self._score_with_text(prompt.text, choices, adapter, _session(prompt),
+                                                         prompt.images)
         unconditional = self._unconditional(choice_ids, adapter) if method.requires_unconditional_logprobs else None
         return method(choices, logprobs, unconditional, temperature)
 
@@ -207,12 +216,14 @@ class RuntimeEndpoint(Backend):
             logprobs.append([(lp, tid) for lp, tid, *_ in entries[start - first:]])
         return logprobs, [seq[start:] for seq, start in zip(seqs, starts)]
 
-    def _score_with_text(self, text: str, choices: list[str], adapter: dict[str, str],
-                         session: dict[str, str]) -> tuple[list[TokenLogprobs], list[list[int]]]:
-        warm = self._http.post("/generate", {"text": text, "sampling_params": _PREFILL_ONLY, **adapter, **session})
+    def _score_with_text(self, text: str, choices: list[str], adapter: dict[str, str], session: dict[str, str],
+                         images: tuple[str, ...] = ()) -> tuple[list[TokenLogprobs], list[list[int]]]:
+        warm = self._http.post("/generate", {"text": text, "sampling_params": _PREFILL_ONLY, **adapter, **session,
+                                             **_images(images)})
         first = max(1, warm["meta_info"]["prompt_tokens"] - _BOUNDARY_WINDOW)
+        per_prompt = {"image_data": [list(images)] * (len(choices) + 1)} if images else {}
         results = self._prefill_batch({"text": [text] + [text + c for c in choices],
-                                       **_per_prompt(adapter, len(choices) + 1)}, first)
+                                       **_per_prompt(adapter, len(choices) + 1), **per_prompt}, first)
         window = [tid for _, tid, *_ in results[0]["meta_info"]["input_token_logprobs"]]
         logprobs, choice_ids = [], []
         for result in results[1:]:
@@ -250,6 +261,11 @@ def _adapter(prompt: Prompt) -> dict[str, str]:
 def _session(prompt: Prompt) -> dict[str, str]:
     """The body field naming the running program's session, if it keeps one."""
     return {"session_id": prompt.session_id} if prompt.session_id is not None else {}
+
+
+def _images(images: tuple[str, ...]) -> dict[str, list[str]]:
+    """The body field carrying the prompt's images, in the order of their tokens in the text."""
+    return {"image_data": list(images)} if images else {}
 
 
 def _per_prompt(adapter: dict[str, str], count: int) -> dict[str, list[str]]:

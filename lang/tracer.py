@@ -64,7 +64,7 @@ class _TracingBackend(Backend):
     def select(self, prompt: Prompt, choices: list[str], temperature: float, method: ChoicesMethod) -> ChoiceDecision:
         raise _StopTrace("select")
 
-    def cache_prefix(self, text: str) -> None:
+    def cache_prefix(self, text: str, images: tuple[str, ...] = ()) -> None:
         raise _StopTrace("fork")
 
     def get_chat_template(self) -> ChatRenderer:

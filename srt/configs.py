@@ -9,6 +9,7 @@ read in processes that never run the model.)
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -19,6 +20,32 @@ from typing import Any, Callable
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3", "longrope")
 FULL_ATTENTION = "full_attention"
 SLIDING_ATTENTION = "sliding_attention"
+LLAVA = "LlavaForConditionalGeneration"
+# LLaVA's language models: families whose differences are all ModelConfig options.
+LLAVA_TEXT_MODELS = ("llama", "qwen2")
+CLIP_ACTIVATIONS = ("quick_gelu", "gelu")
+
+
+@dataclass(frozen=True)
+class VisionConfig:
+    """A LLaVA-style vision tower (CLIP) and its projector into the language model."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    num_layers: int  # layers run: those up to vision_feature_layer (the rest are never read)
+    image_size: int  # square input the processor makes (CLIP's positions are not interpolated)
+    patch_size: int
+    layer_norm_eps: float
+    hidden_act: str  # quick_gelu (OpenAI CLIP) or gelu
+    keep_cls: bool  # vision_feature_select_strategy "full"; "default" drops the CLS token
+    image_token_id: int  # the placeholder a prompt writes once per image
+    projector_bias: bool = True
+    num_channels: int = 3
+
+    @property
+    def tokens_per_image(self) -> int:
+        return (self.image_size // self.patch_size) ** 2 + (1 if self.keep_cls else 0)
 
 
 @dataclass(frozen=True)
@@ -58,6 +85,7 @@ class ModelConfig:
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = True  # renormalise the top-k routing weights to sum to one
     sparse_layers: tuple[int, ...] = ()  # layers whose MLP is the MoE block
+    vision: VisionConfig | None = None  # a vision-language model's tower; None: text only
 
     @property
     def attention_scale(self) -> float:
@@ -71,6 +99,8 @@ class ModelConfig:
         archs = list(getattr(hf_config, "architectures", None) or [])
         model_type = getattr(hf_config, "model_type", "llama")
         arch = archs[0] if archs else _ARCH_BY_MODEL_TYPE.get(model_type, "LlamaForCausalLM")
+        if arch == LLAVA:
+            return _llava(hf_config)
         if arch not in _FAMILY_READERS:
             raise ValueError(f"architecture {arch!r} is not supported; supported: {SUPPORTED_ARCHITECTURES}")
         num_heads = hf_config.num_attention_heads
@@ -107,7 +137,57 @@ _ARCH_BY_MODEL_TYPE = {
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "llava": LLAVA,
 }
+
+
+# ---- vision-language models ------------------------------------------------------------------
+
+
+def _llava(hf_config: Any) -> ModelConfig:
+    """LLaVA (1.5 style): a CLIP tower, a 2-layer projector and a Llama or Qwen2 language model,
+    read as that language model's config plus the tower. Every LLaVA option we do not compute
+    is refused by name: several feature layers, anyres tiling, other towers and projectors."""
+    text = hf_config.text_config
+    if text.model_type not in LLAVA_TEXT_MODELS:
+        raise ValueError(f"{LLAVA} with a {text.model_type!r} language model is not supported "
+                         f"(supported: {', '.join(LLAVA_TEXT_MODELS)})")
+    vision = hf_config.vision_config
+    if vision.model_type != "clip_vision_model":
+        raise ValueError(f"{LLAVA} with a {vision.model_type!r} vision tower is not supported (only "
+                         "clip_vision_model)")
+    layer = hf_config.vision_feature_layer
+    if not isinstance(layer, int):
+        raise ValueError(f"vision_feature_layer {layer!r}: several feature layers are not supported (one layer is)")
+    if not -vision.num_hidden_layers - 1 <= layer <= vision.num_hidden_layers:
+        raise ValueError(f"vision_feature_layer {layer} is outside the tower's {vision.num_hidden_layers} layers")
+    strategy = hf_config.vision_feature_select_strategy
+    if strategy not in ("default", "full"):
+        raise ValueError(f"vision_feature_select_strategy {strategy!r} is not supported (default, full are)")
+    if getattr(hf_config, "image_grid_pinpoints", None):
+        raise ValueError("image_grid_pinpoints (LLaVA-NeXT anyres tiling) is not supported")
+    if hf_config.projector_hidden_act != "gelu":
+        raise ValueError(f"projector_hidden_act {hf_config.projector_hidden_act!r} is not supported (only gelu)")
+    if vision.hidden_act not in CLIP_ACTIVATIONS:
+        raise ValueError(f"vision_config.hidden_act {vision.hidden_act!r} is not supported "
+                         f"({', '.join(CLIP_ACTIVATIONS)} are)")
+    if vision.hidden_size % vision.num_attention_heads:
+        raise ValueError("vision_config.hidden_size must be a multiple of num_attention_heads")
+    tower = VisionConfig(
+        hidden_size=vision.hidden_size, intermediate_size=vision.intermediate_size,
+        num_heads=vision.num_attention_heads,
+        # hidden_states[0] is the embedding, [i] the output of layer i; negative counts from the end.
+        num_layers=layer if layer >= 0 else vision.num_hidden_layers + 1 + layer,
+        image_size=vision.image_size, patch_size=vision.patch_size, layer_norm_eps=vision.layer_norm_eps,
+        hidden_act=vision.hidden_act, keep_cls=strategy == "full", image_token_id=hf_config.image_token_index,
+        projector_bias=bool(getattr(hf_config, "multimodal_projector_bias", True)),
+        num_channels=vision.num_channels)
+    language = ModelConfig.from_hf(text)
+    if not 0 <= tower.image_token_id < language.vocab_size:
+        raise ValueError(f"image_token_index {tower.image_token_id} is outside the vocabulary [0, {language.vocab_size})")
+    # The top-level flag wins: transformers copies a text config's tie_word_embeddings up to it.
+    return dataclasses.replace(language, architecture=LLAVA, vision=tower,
+                               tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)))
 
 
 # ---- what each family adds ---------------------------------------------------------------------
@@ -193,7 +273,7 @@ _FAMILY_READERS: dict[str, Callable[[Any], dict[str, Any]]] = {
     "MixtralForCausalLM": _mixtral,
     "Qwen3MoeForCausalLM": _qwen3_moe,
 }
-SUPPORTED_ARCHITECTURES = tuple(_FAMILY_READERS)
+SUPPORTED_ARCHITECTURES = (*_FAMILY_READERS, LLAVA)
 
 
 # ---- shared readers --------------------------------------------------------------------------

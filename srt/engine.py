@@ -12,6 +12,8 @@ import torch
 from .core.request import Req
 from .intake import Intake, deterministic_seed
 from .io_struct import TokenizedGenerateReq
+from .multimodal.inputs import ImageInputs
+from .multimodal.limits import limits_from_settings
 from .results import LogprobRecord, Progress, final_text, result
 from .server_args import ServerArgs
 from .tp_launch import LocalRanks
@@ -47,8 +49,12 @@ class Engine:
                 torch.set_num_threads(self._threads)
             raise
         adapters = self.scheduler.adapters
+        # Images may also be local paths here: the caller is this process, not a client.
+        images = ImageInputs.for_model(self.model_config, self.tokenizer, rank.loaded.local_dir,
+                                       limits_from_settings(args.multimodal, allow_paths=True))
         self.intake = Intake(self.tokenizer, self.model_config.vocab_size, self.scheduler.context_len,
-                             deterministic_seed(args), (lambda: adapters.slots.adapters) if adapters else None)
+                             deterministic_seed(args), (lambda: adapters.slots.adapters) if adapters else None,
+                             images=images)
 
     def generate(
         self,
@@ -63,16 +69,20 @@ class Engine:
         cache_salt: str | None = None,
         lora_path: str | list[str | None] | None = None,
         session_id: str | None = None,
+        image_data: Any = None,
     ) -> dict[str, Any] | list[dict[str, Any]]:
         """Generates for one prompt (returns a dict) or a batch (returns a list, input order;
         n > 1 samples of a prompt follow each other). Validation is the server's (srt/intake.py).
         lora_path: a loaded LoRA adapter's name (--enable-lora), or a list with one per prompt.
         session_id: a program session whose latest prefix stays cached until end_session
-        (docs/sessions.md)."""
+        (docs/sessions.md).
+        image_data (vision-language models): an image (a PIL image, bytes, a path, a data URL or
+        base64) or a list of them for one prompt, or for a batch a list with one such entry per
+        prompt; each image's placeholder token ("<image>") sits in its prompt where it goes."""
         batched, groups = self.intake.batch(
             prompt, input_ids, sampling_params, rid, text_field="prompt", return_logprob=return_logprob,
             logprob_start_len=logprob_start_len, top_logprobs_num=top_logprobs_num, cache_salt=cache_salt,
-            lora_path=lora_path, session_id=session_id)
+            lora_path=lora_path, session_id=session_id, image_data=image_data)
         msgs = [m for group in groups for m in group]
         reqs = [Req.from_tokenized(m, self.model_config.vocab_size) for m in msgs]
         for msg, req in zip(msgs, reqs):

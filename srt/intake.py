@@ -12,7 +12,7 @@ import dataclasses
 import uuid
 from typing import Any, Callable, Collection
 
-from .io_struct import TokenizedGenerateReq
+from .io_struct import ImageInput, TokenizedGenerateReq
 from .sampling_params import SamplingParams
 
 MAX_TOP_LOGPROBS = 64  # top-k alternatives per token; each costs a top-k over the vocabulary
@@ -89,18 +89,21 @@ class Intake:
     """Validates requests against one model (its tokenizer, vocabulary and context length)."""
 
     def __init__(self, tokenizer: Any, vocab_size: int, context_len: int, default_seed: int | None = None,
-                 adapters: Callable[[], Collection[str]] | None = None, sessions: Any = None):
+                 adapters: Callable[[], Collection[str]] | None = None, sessions: Any = None, images: Any = None):
         """default_seed: the seed of a request that names none (--enable-deterministic-inference
         gives every request one, so that the same request gets the same answer).
         adapters: the names of the LoRA adapters requests may name now (None: no --enable-lora).
         sessions: who owns which session id (server/session_routes.py's SessionOwners: its
-        `claim(session_id, tenant)` raises ValueError for another tenant's); None: not checked."""
+        `claim(session_id, tenant)` raises ValueError for another tenant's); None: not checked.
+        images: a vision-language model's image intake (srt/multimodal/inputs.py's ImageInputs);
+        None: a text-only model, which refuses images."""
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.context_len = context_len
         self.default_seed = default_seed
         self.adapters = adapters
         self.sessions = sessions
+        self.images = images
 
     def lora_path(self, name: Any) -> str | None:
         """A request's adapter: None (the base model) or the name of a loaded one."""
@@ -120,12 +123,39 @@ class Intake:
         return prompt_token_ids(self.tokenizer, text, input_ids, self.vocab_size, self.context_len,
                                 text_field, ids_field)
 
+    def prompt_images(self, ids: list[int], items: list[tuple[str, Any]], count_field: str,
+                      ids_field: str) -> tuple[list[int], list[ImageInput]]:
+        """A prompt's images, each a (field, what the client sent): decoded, processed and hashed,
+        and the prompt's placeholders expanded into their tokens. Slow (image decoding): call
+        it off the event loop."""
+        return self.expand_images(ids, self.load_images(items, count_field), ids_field)
+
+    def load_images(self, items: list[tuple[str, Any]], count_field: str) -> list[Any]:
+        """Each (field, item) decoded, processed and hashed (multimodal/inputs.py's PreparedImage)."""
+        if self.images is None:
+            if items:
+                raise ValueError(f"{items[0][0]}: this model is text-only; images need a vision-language model")
+            return []
+        return self.images.load(items, count_field)
+
+    def expand_images(self, ids: list[int], images: list[Any], field: str) -> tuple[list[int], list[ImageInput]]:
+        """The prompt with each of its prepared images' placeholders expanded (`load_images`);
+        for a vision-language model, a placeholder without its image is refused too."""
+        if self.images is None:
+            return ids, []
+        ids, records = self.images.expand(ids, images, field)
+        if len(ids) >= self.context_len:
+            raise ValueError(f"{field}: with its images the prompt has {len(ids)} tokens, which do not fit the "
+                             f"context length {self.context_len}")
+        return ids, records
+
     def samples(self, input_ids: list[int], sampling_params: dict[str, Any] | None, *, rid: Any = None,
                 return_logprob: Any = False, logprob_start_len: Any = None, top_logprobs_num: Any = None,
                 stream: bool = False, cache_salt: Any = None, lora_path: Any = None,
-                session_id: Any = None) -> list[TokenizedGenerateReq]:
-        """One message per sample of one tokenized prompt. With n > 1, sample i gets seed + i and
-        rid "{rid}-{i}"; without a rid each sample gets a fresh one."""
+                session_id: Any = None, images: list[ImageInput] = ()) -> list[TokenizedGenerateReq]:
+        """One message per sample of one tokenized prompt (its images expanded already, see
+        `prompt_images`). With n > 1, sample i gets seed + i and rid "{rid}-{i}"; without a rid
+        each sample gets a fresh one."""
         sp = self.sampling_params(input_ids, sampling_params)
         logprob = check_logprob_options(return_logprob, logprob_start_len, top_logprobs_num)
         salt = check_cache_salt(cache_salt)
@@ -139,7 +169,7 @@ class Intake:
             out.append(TokenizedGenerateReq(
                 rid=sample_rid, input_ids=input_ids, sampling_params=sp.for_sample(i), return_logprob=logprob[0],
                 logprob_start_len=logprob[1], top_logprobs_num=logprob[2], stream=stream, cache_salt=salt,
-                lora_path=lora, session_id=session))
+                lora_path=lora, session_id=session, images=list(images)))
         if session is not None and self.sessions is not None:  # last: a request refused otherwise claims nothing
             self.sessions.claim(session, (salt, lora))
         return out
@@ -159,12 +189,15 @@ class Intake:
         return sp
 
     def batch(self, text: Any, input_ids: Any, sampling_params: Any, rid: Any = None, *,
-              text_field: str = "text", lora_path: Any = None, **options: Any) -> tuple[bool, list[list[TokenizedGenerateReq]]]:
+              text_field: str = "text", lora_path: Any = None, image_data: Any = None,
+              **options: Any) -> tuple[bool, list[list[TokenizedGenerateReq]]]:
         """SGLang's request shape: one prompt (text or ids) or a list of them, with
         `sampling_params` and `rid` given once for all prompts or as a list with one per prompt.
-        `lora_path` too may be given once or per prompt (SGLang's). Returns whether the input was
-        a batch, and each prompt's samples in prompt order; `options` go to `samples` for every
-        prompt."""
+        `lora_path` too may be given once or per prompt (SGLang's). `image_data`: one prompt's
+        image or list of images, or for a batch a list with one such entry per prompt (SGLang's);
+        each image's placeholder token sits in the prompt where it goes. Returns whether the input
+        was a batch, and each prompt's samples in prompt order; `options` go to `samples` for
+        every prompt."""
         if text is not None and input_ids is not None:
             raise ValueError(f"{text_field}: give exactly one of {text_field} or input_ids")
         batched = isinstance(text, list) or (
@@ -182,14 +215,36 @@ class Intake:
         loras = lora_path if isinstance(lora_path, list) else [lora_path] * len(prompts)
         if len(loras) != len(prompts):
             raise ValueError("lora_path: a list must have one entry per prompt")
+        image_lists = _image_items(image_data, len(prompts), batched)
         groups = []
-        for prompt, params, one_rid, lora in zip(prompts, params_list, rids, loras):
+        for prompt, params, one_rid, lora, images in zip(prompts, params_list, rids, loras, image_lists):
             ids = self.prompt_ids(prompt if text is not None else None, prompt if text is None else None,
                                   text_field=text_field)
-            groups.append(self.samples(ids, params, rid=one_rid, lora_path=lora, **options))
+            ids, records = self.prompt_images(ids, images, "image_data", text_field if text is not None else "input_ids")
+            groups.append(self.samples(ids, params, rid=one_rid, lora_path=lora, images=records, **options))
         seen: set[str] = set()
         for msg in (m for group in groups for m in group):
             if msg.rid in seen:  # the second would be refused only once the first is running
                 raise ValueError(f"rid: {msg.rid!r} is given twice")
             seen.add(msg.rid)
         return batched, groups
+
+
+def _image_items(image_data: Any, count: int, batched: bool) -> list[list[tuple[str, Any]]]:
+    """Per prompt, its images as (field, item)."""
+    if image_data is None:
+        return [[] for _ in range(count)]
+    if not batched:
+        return [_prompt_images(image_data, "image_data")]
+    if not isinstance(image_data, list) or len(image_data) != count:
+        raise ValueError("image_data: for a batch of prompts, a list with one entry per prompt (an image, a list of "
+                         "images, or null)")
+    return [_prompt_images(entry, f"image_data[{p}]") for p, entry in enumerate(image_data)]
+
+
+def _prompt_images(entry: Any, field: str) -> list[tuple[str, Any]]:
+    if entry is None:
+        return []
+    if isinstance(entry, (list, tuple)):
+        return [(f"{field}[{i}]", item) for i, item in enumerate(entry)]
+    return [(field, entry)]

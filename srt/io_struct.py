@@ -19,6 +19,20 @@ from .sampling_params import SamplingParams
 
 
 @dataclass(frozen=True)
+class ImageInput:
+    """One image of a prompt: its placeholder tokens input_ids[offset:offset + length] (pseudo
+    ids derived from `content_hash`, srt/multimodal/hashing.py) and the processed pixel values
+    the tower reads, as raw bytes of `dtype` in `shape`."""
+
+    content_hash: str
+    offset: int
+    length: int
+    pixels: bytes
+    shape: tuple[int, ...]
+    dtype: str  # a numpy dtype name ("float32")
+
+
+@dataclass(frozen=True)
 class TokenizedGenerateReq:
     """One sample of one prompt, as the intake (srt/intake.py) validated it: the same message
     goes over ZeroMQ to the scheduler process and into the in-process Engine's scheduler."""
@@ -33,6 +47,7 @@ class TokenizedGenerateReq:
     cache_salt: str | None = None  # prefixes are shared only between requests with the same salt
     lora_path: str | None = None  # the LoRA adapter's name (--enable-lora); None: the base model
     session_id: str | None = None  # the program session whose latest prefix stays cached (sessions.py)
+    images: list[ImageInput] = dataclasses.field(default_factory=list)  # in prompt order
 
 
 @dataclass(frozen=True)
@@ -118,11 +133,12 @@ class ReadySignal:
 
 
 _MESSAGE_TYPES = {cls.__name__: cls for cls in (
-    TokenizedGenerateReq, SamplingParams, AbortReq, ControlReq, ControlReply, ReqOutput, BatchTokenOut,
+    TokenizedGenerateReq, ImageInput, SamplingParams, AbortReq, ControlReq, ControlReply, ReqOutput, BatchTokenOut,
     ReqTextOutput, BatchTextOut, ReadySignal)}
 # Fields holding nested messages: (message type, is a list of them).
 _NESTED = {("BatchTokenOut", "outputs"): True, ("BatchTextOut", "outputs"): True,
-           ("ReqTextOutput", "output"): False, ("TokenizedGenerateReq", "sampling_params"): False}
+           ("ReqTextOutput", "output"): False, ("TokenizedGenerateReq", "sampling_params"): False,
+           ("TokenizedGenerateReq", "images"): True}
 
 
 def _to_plain(msg: Any) -> Any:

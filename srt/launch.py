@@ -138,6 +138,8 @@ def _launch(args: ServerArgs, sock: Any) -> int:
     from .server.lifecycle import Server
     from .server.openai_api import register_openai_routes
     from .intake import deterministic_seed
+    from .multimodal.inputs import ImageInputs
+    from .multimodal.limits import limits_from_settings
     from .server.lora_routes import AdapterNames
     from .server.session_routes import SessionOwners
     from .server.tokenizer_manager import TokenizerManager
@@ -146,11 +148,18 @@ def _launch(args: ServerArgs, sock: Any) -> int:
 
     model_name = args.api.served_model_name or (args.model.model_path or "default")
     adapters = AdapterNames(model_name, args.lora.lora_paths) if args.lora.enable_lora else None
+    try:  # a vision-language model's image processor (preprocessor_config.json)
+        images = ImageInputs.for_model(meta.config, meta.tokenizer, meta.local_dir,
+                                       limits_from_settings(args.multimodal))
+    except ValueError as e:
+        logger.error("%s", e)
+        children.stop()
+        return 1
     tm = TokenizerManager(meta.tokenizer, meta.config, info["context_len"], children.addr("scheduler"),
                           children.addr("tokenizer"),
                           max_in_flight=args.scheduler.max_running_requests + args.scheduler.max_queued_requests,
                           default_seed=deterministic_seed(args), adapters=adapters,
-                          sessions=SessionOwners(args.session.session_ttl))
+                          sessions=SessionOwners(args.session.session_ttl), images=images)
     state = ServerState(tm, args.model.model_path or meta.model_path, args.to_dict(), warm=False)
     app = create_app(state, args.http.api_key, args.http.max_request_bytes, args.http.rate_limit_rpm,
                      args.api.incremental_streaming_output)

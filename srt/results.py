@@ -51,8 +51,11 @@ class TokenTexts:
     def __init__(self, tokenizer: Any):
         self._tokenizer = tokenizer
         self._texts: dict[int, str] = {}
+        self._num_tokens = len(tokenizer)
 
     def __call__(self, token_id: int) -> str:
+        if token_id >= self._num_tokens:
+            return ""  # an image placeholder's pseudo id (srt/multimodal/hashing.py) is no token
         text = self._texts.get(token_id)
         if text is None:
             text = self._texts[token_id] = self._tokenizer.decode([token_id])

@@ -336,6 +336,20 @@ class HTTPSettings(Section):
     log_level: str = setting("info", "debug | info | warning | error", choices=("debug", "info", "warning", "error"))
 
 
+@dataclass(frozen=True)
+class MultimodalSettings(Section):
+    """Images for vision-language models (docs/multimodal.md): what requests may send, and the
+    encoder cache of vision features."""
+
+    max_images_per_request: int = setting(16, "images one prompt may carry at most; more get 400", min=0)
+    max_image_pixels: int = setting(4096 * 4096, "width x height of one decoded image at most; larger get 400",
+                                    min=1)
+    allow_remote_images: bool = setting(False, "fetch http(s) image URLs that requests name (off: the server must "
+                                               "not fetch for whoever can reach it; send data URLs or base64)")
+    mm_cache_size_gb: float = setting(1.0, "the encoder cache: vision features kept by image content hash, in GB "
+                                           "of device memory (outside --mem-fraction-static); 0: none", min=0.0)
+
+
 TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral", "json")  # srt/server/tool_calls/parsers.py
 REASONING_PARSERS = ("qwen3", "deepseek-r1")  # srt/server/tool_calls/reasoning.py
 
@@ -364,7 +378,7 @@ class APISettings(Section):
 SECTIONS: dict[str, type[Section]] = {
     "model": ModelSettings, "cache": CacheSettings, "scheduler": SchedulerSettings, "executor": ExecutorSettings,
     "speculative": SpeculativeSettings, "lora": LoRASettings, "session": SessionSettings, "parallel": ParallelSettings,
-    "http": HTTPSettings, "api": APISettings,
+    "http": HTTPSettings, "api": APISettings, "multimodal": MultimodalSettings,
 }
 # Flat setting name -> its section, for the command line and Engine(**kwargs).
 SECTION_OF: dict[str, str] = {f.name: name for name, cls in SECTIONS.items() for f in dataclasses.fields(cls)}
@@ -372,7 +386,8 @@ SECTION_OF: dict[str, str] = {f.name: name for name, cls in SECTIONS.items() for
 
 class ServerArgs:
     """Every setting, by section: `args.model`, `args.cache`, `args.scheduler`, `args.executor`,
-    `args.speculative`, `args.lora`, `args.session`, `args.parallel`, `args.http`, `args.api`. Made from flat names, as
+    `args.speculative`, `args.lora`, `args.session`, `args.parallel`, `args.http`, `args.api`,
+    `args.multimodal`. Made from flat names, as
     SGLang's ServerArgs and `Engine(**kwargs)` take them: `ServerArgs(max_total_tokens=4096)`;
     raises ValueError naming an unknown setting or a bad value. Immutable; sent to a child
     process as `to_dict()`."""
@@ -399,6 +414,7 @@ class ServerArgs:
     parallel: ParallelSettings
     http: HTTPSettings
     api: APISettings
+    multimodal: MultimodalSettings
 
     def __setattr__(self, name: str, value: Any) -> None:
         raise AttributeError("ServerArgs is immutable; use replace()")

@@ -125,17 +125,18 @@ def test_followers_tables_match_rank0s_rows_whatever_the_policy_wrote():
 
 
 @pytest.mark.slow
-def test_an_engine_over_two_ranks_speculates_as_one_rank_decodes(engine):
-    """Engine(tp_size=2) (its other rank a child process) with n-gram speculation on pages of 4:
-    rejected drafts' slots are freed and their table positions written again, and the other
-    rank's table follows; greedy outputs equal the plain one-rank Engine's."""
+@pytest.mark.parametrize("algorithm", ["ngram", "suffix"])
+def test_an_engine_over_two_ranks_speculates_as_one_rank_decodes(engine, algorithm):
+    """Engine(tp_size=2) (its other rank a child process) with n-gram or suffix speculation on
+    pages of 4: rejected drafts' slots are freed and their table positions written again, and
+    the other rank's table follows; greedy outputs equal the plain one-rank Engine's."""
     from radixlm.srt import Engine
 
     doc = "Name: Alice Smith. Age: 34. City: Paris. Job: engineer. " * 3
     prompts = [doc + "\nRepeat the record exactly:\n", "def add(a, b):\n    return a + b\n\ndef add(a, b):\n"]
     params = {"max_new_tokens": 40, "temperature": 0}
     expected = [o["output_ids"] for o in engine.generate(prompts, params)]
-    tp2 = Engine(tp_size=2, max_total_tokens=8192, speculative_algorithm="ngram", page_size=4)
+    tp2 = Engine(tp_size=2, max_total_tokens=8192, speculative_algorithm=algorithm, page_size=4)
     try:
         outs = tp2.generate(prompts, params)
         assert [o["output_ids"] for o in outs] == expected

@@ -4,11 +4,15 @@ to it; what the engine keeps per request (RNG streams) it keeps itself. No torch
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..io_struct import TokenizedGenerateReq
+from ..io_struct import ImageInput, TokenizedGenerateReq
 from ..sampling_params import SamplingParams
+
+
+_PIXEL_BYTES = {"float32": 4, "float16": 2}  # pixel value dtypes an image may travel in
 
 
 @dataclass(frozen=True)
@@ -54,6 +58,8 @@ class Req:
     adapter_slot: int | None = None  # the device slot holding it, while the request is admitted
     stream: bool = False  # send outputs every step, not only at the end
     session_id: str | None = None  # its program session (srt/scheduler/sessions.py)
+    # Its images, in prompt order: the engine encodes the ones a prefill chunk overlaps.
+    images: list[ImageInput] = field(default_factory=list)
     output_ids: list[int] = field(default_factory=list)
     finish_reason: FinishReason | None = None
     grammar: Any = None  # the GrammarMatcher, once the request's grammar compiled
@@ -88,9 +94,10 @@ class Req:
             sp.validate(vocab_size=vocab_size, check_grammar=False)
         except TypeError as e:  # a field of the wrong type from a bad peer
             raise ValueError(f"sampling_params: {e}") from None
+        _check_images(msg.input_ids, msg.images, vocab_size)
         return cls(rid=msg.rid, origin_input_ids=list(msg.input_ids), sampling_params=sp,
                    logprob=LogprobOptions(msg.return_logprob, msg.logprob_start_len, msg.top_logprobs_num),
-                   namespace=msg.cache_salt, stream=msg.stream, session_id=msg.session_id)
+                   namespace=msg.cache_salt, stream=msg.stream, session_id=msg.session_id, images=list(msg.images))
 
     @property
     def fill_ids(self) -> list[int]:
@@ -112,3 +119,19 @@ class Req:
     @property
     def wants_input_logprobs(self) -> bool:
         return self.logprob.return_logprob and 0 <= self.logprob.logprob_start_len < len(self.origin_input_ids)
+
+
+def _check_images(ids: list[int], images: list[ImageInput], vocab_size: int) -> None:
+    """Every id past the vocabulary is an image's placeholder, and every image has its pixels:
+    a token without its image would put made-up KV into the radix cache under the image's key."""
+    covered = 0
+    for i, image in enumerate(images):
+        span = ids[image.offset:image.offset + image.length]
+        if image.offset < 0 or len(span) != image.length or any(t < vocab_size for t in span):
+            raise ValueError(f"images[{i}]: tokens [{image.offset}, {image.offset + image.length}) are not its "
+                             "placeholders")
+        if image.dtype not in _PIXEL_BYTES or len(image.pixels) != math.prod(image.shape) * _PIXEL_BYTES[image.dtype]:
+            raise ValueError(f"images[{i}]: {len(image.pixels)} bytes are not {image.dtype} pixels of shape {image.shape}")
+        covered += image.length
+    if sum(1 for t in ids if t >= vocab_size) != covered:
+        raise ValueError("input_ids: token ids past the vocabulary outside any image")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from ..core.step import ExtendPlan
-from .forward_batch import ForwardBatch, ForwardMode
+from .forward_batch import ForwardBatch, ForwardMode, ImageSlice
 
 
 def build_extend_batch(plans: list[ExtendPlan], device: torch.device) -> ForwardBatch:
@@ -13,10 +13,12 @@ def build_extend_batch(plans: list[ExtendPlan], device: torch.device) -> Forward
     positions: list[int] = []
     out_cache_loc: list[int] = []
     logit_rows: list[int] = []
+    images: list[ImageSlice] = []
     for plan in plans:
         row0 = len(input_ids)
         fill = plan.req.fill_ids
         own = plan.extend_len - len(plan.drafts)
+        images.extend(_image_slices(plan, row0, own))
         input_ids.extend(fill[plan.start:plan.start + own])
         input_ids.extend(plan.drafts)
         positions.extend(range(plan.start, plan.start + plan.extend_len))
@@ -26,7 +28,20 @@ def build_extend_batch(plans: list[ExtendPlan], device: torch.device) -> Forward
     batch, _ = _forward_batch(device, ForwardMode.EXTEND, input_ids, positions, out_cache_loc,
                               [p.req.req_pool_idx for p in plans], [p.start for p in plans],
                               [p.extend_len for p in plans], logit_rows)
+    batch.images = images
     return batch
+
+
+def _image_slices(plan: ExtendPlan, row0: int, own: int) -> list[ImageSlice]:
+    """The parts of the request's images among its tokens [start, start + own), which this
+    batch feeds from row `row0` (a chunk may start or end inside an image)."""
+    slices = []
+    for image in plan.req.images:
+        begin = max(plan.start, image.offset)
+        end = min(plan.start + own, image.offset + image.length)
+        if begin < end:
+            slices.append(ImageSlice(image, begin - image.offset, end - image.offset, row0 + begin - plan.start))
+    return slices
 
 
 def build_decode_batch(parts: list[ExtendPlan], device: torch.device,

@@ -110,6 +110,12 @@ class DeviceEngine:
     def host_kv_stats(self) -> dict:
         return {**self.host_kv.timings(), "allocated_bytes": self.host_kv.allocated_bytes}
 
+    def encoder_cache_info(self) -> dict | None:
+        """The vision encoder cache's counters (srt/multimodal/encoder_cache.py); None for a
+        text-only model."""
+        images = self.runner.images
+        return images.cache.stats() if images is not None else None
+
     # ---- LoRA adapters (srt/lora/registry.py asks for them) ---------------------------------
 
     def load_adapter(self, uid: str, path: str, config) -> None:

@@ -4,14 +4,27 @@
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
+
+from ..io_struct import ImageInput
 
 
 class ForwardMode(enum.Enum):
     EXTEND = "extend"  # prefill of new tokens after an (optional) cached prefix
     DECODE = "decode"  # one new token per request
+
+
+@dataclass(frozen=True)
+class ImageSlice:
+    """The part of one image a prefill chunk computes: its placeholder tokens [begin, end),
+    fed at the batch's token rows [row, row + end - begin)."""
+
+    image: ImageInput
+    begin: int
+    end: int
+    row: int
 
 
 @dataclass
@@ -42,6 +55,8 @@ class ForwardBatch:
     adapter_slots: list[int] | None = None
     adapter_loads: tuple[tuple[int, int, str], ...] = ()
     adapter_drops: tuple[int, ...] = ()
+    # Vision-language models: the images this extend batch overlaps (decode batches have none).
+    images: list[ImageSlice] = field(default_factory=list)
 
     @property
     def batch_size(self) -> int:

@@ -24,8 +24,9 @@ def output_logprobs(logprobs: torch.Tensor, tokens: list[int], top_ks: list[int 
 def input_logprobs(req: Req, logits: torch.Tensor, first_pos: int) -> tuple[list[tuple[float | None, int]], list]:
     """`logits` rows are positions first_pos, first_pos+1, ...; row p scores prompt token p+1.
 
-    Prompt tokens from logprob_start_len on are scored; token 0 has no logprob (None). Returns
-    (logprob, token) pairs and, when top_logprobs_num > 0, the top alternatives of each.
+    Prompt tokens from logprob_start_len on are scored; token 0 has no logprob (None), nor has
+    an image's placeholder (its pseudo id lies past the vocabulary). Returns (logprob, token)
+    pairs and, when top_logprobs_num > 0, the top alternatives of each.
     """
     prompt = req.origin_input_ids
     start = req.logprob.logprob_start_len
@@ -39,12 +40,14 @@ def input_logprobs(req: Req, logits: torch.Tensor, first_pos: int) -> tuple[list
     if rows <= 0:
         return token_lps, top_lps
     logprobs = torch.log_softmax(logits[:rows], dim=-1)
-    targets = torch.tensor(prompt[first_pos + 1:first_pos + 1 + rows], device=logits.device)
+    tokens = prompt[first_pos + 1:first_pos + 1 + rows]
+    vocab = logprobs.shape[1]
+    targets = torch.tensor([t if t < vocab else 0 for t in tokens], device=logits.device)
     chosen = logprobs.gather(1, targets[:, None])[:, 0].tolist()
-    for i, (lp, tok) in enumerate(zip(chosen, targets.tolist())):
+    for i, (lp, tok) in enumerate(zip(chosen, tokens)):
         if first_pos + 1 + i < start:
             continue
-        token_lps.append((lp, tok))
+        token_lps.append((lp if tok < vocab else None, tok))
         if top_k > 0:
             top_lps.append(_top(logprobs[i], top_k))
     return token_lps, top_lps

@@ -164,11 +164,10 @@ def load_tokenizer(path: str | os.PathLike[str]) -> Any:
 
 
 def weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """HF parameter names and shapes of a checkpoint of this config's family (models/checkpoint.py)."""
-    from .models.checkpoint import hf_weight_shapes
+    """HF parameter names and shapes of a checkpoint of this config's model class (models/checkpoint.py)."""
     from .models.registry import model_class
 
-    return hf_weight_shapes(config, model_class(config).family)
+    return model_class(config).checkpoint_shapes(config)
 
 
 def random_weights(
@@ -326,17 +325,23 @@ def _load_safetensors(
     cast exactly, and input_scale (static activation scales) is not used."""
     from safetensors import safe_open
 
+    from .models.registry import model_class
+
     expected = weight_shapes(config)
+    naming = model_class(config)
     weights: dict[str, torch.Tensor] = {}
     unexpected: list[str] = []
     for file in _safetensors_files(local_dir):
         # One tensor at a time, so peak memory is one shard plus one cast tensor.
         with safe_open(str(file), framework="pt", device=str(device)) as reader:
-            for name in reader.keys():
+            for stored in reader.keys():
+                name = naming.checkpoint_name(config, stored)  # a layout's spelling -> ours
+                if name is None:
+                    continue
                 if fp8_scales is not None and name.endswith(("weight_scale", "input_scale")):
                     if name.endswith("weight_scale"):
                         weight_name = name.removesuffix("_scale")
-                        fp8_scales[weight_name] = _rank_scales(reader.get_tensor(name).float().reshape(-1),
+                        fp8_scales[weight_name] = _rank_scales(reader.get_tensor(stored).float().reshape(-1),
                                                                plan.pieces(weight_name) if plan else None)
                     continue
                 if name not in expected:
@@ -345,13 +350,13 @@ def _load_safetensors(
                         unexpected.append(name)
                     continue
                 if plan is None:
-                    weights[name] = reader.get_tensor(name).to(dtype)
+                    weights[name] = reader.get_tensor(stored).to(dtype)
                     continue
-                found = tuple(reader.get_slice(name).get_shape())
+                found = tuple(reader.get_slice(stored).get_shape())
                 if found != expected[name]:  # checked whole here: a rank reads only its part
                     raise ValueError(f"{local_dir}: tensor {name} has shape {found}, the config needs "
                                      f"{expected[name]}")
-                weights[name] = take_pieces(reader.get_slice(name), plan.pieces(name), found, dtype).to(
+                weights[name] = take_pieces(reader.get_slice(stored), plan.pieces(name), found, dtype).to(
                     device=device, dtype=dtype)
     if unexpected:
         logger.warning("%s: ignoring %d tensors the model does not use, e.g. %s", local_dir, len(unexpected), unexpected[:3])

@@ -9,11 +9,13 @@ import time
 import torch
 
 from ..configs import ModelConfig
+from ..multimodal.encoder_cache import EncoderCache
 from ..server_args import ServerArgs
 from . import parallel
 from .attention.base import AttentionBackend
 from .attention.layer_spec import check_backend_supports, layer_specs
 from .forward_batch import ForwardBatch
+from .image_embeds import ImageEmbedder
 from .kernel_options import KernelOptions
 from .mem_pool import KVPool, kv_cache_torch_dtype
 from .models.ops import select_ops
@@ -57,6 +59,11 @@ class ModelRunner:
         self.model.load_weights(loaded.weights)
         # .to(device) too: rotary tables are built on the host (fp64 math) whatever the device.
         self.model.to(device=self.device, dtype=self.dtype).eval()
+        self.images = None  # a vision-language model's image features, through the encoder cache
+        if cfg.vision is not None:
+            check_vision_settings(args, cfg)
+            cache = EncoderCache(int(args.multimodal.mm_cache_size_gb * 2**30))
+            self.images = ImageEmbedder(self.model, cache, self.device, self.dtype)
         # --quantization fp8, or an FP8 checkpoint: projections in FP8
         apply_quantization(self.model, args.model.quantization, self.device, loaded.fp8_scales, self.kernels)
         self.deterministic = args.executor.enable_deterministic_inference
@@ -152,10 +159,12 @@ class ModelRunner:
             if loads is not None:  # a graph cannot stop per layer: the whole load first
                 loads.finish()
             return graphs.replay(batch)
+        extra = {"image_embeds": self.images(batch.images)} if batch.images else {}
         self.attn_backend.plan(batch)
         if loads is None:
-            return self.model(batch.input_ids, batch.positions, self.attn_backend, batch.logit_rows)
-        logits = self.model(batch.input_ids, batch.positions, LayerGate(self.attn_backend, loads), batch.logit_rows)
+            return self.model(batch.input_ids, batch.positions, self.attn_backend, batch.logit_rows, **extra)
+        logits = self.model(batch.input_ids, batch.positions, LayerGate(self.attn_backend, loads), batch.logit_rows,
+                            **extra)
         loads.finish()  # a model whose layers skip attention still gets every layer
         return logits
 
@@ -177,6 +186,19 @@ class LayerGate:
 
     def __getattr__(self, name: str):
         return getattr(self._backend, name)
+
+
+def check_vision_settings(args: ServerArgs, config: ModelConfig) -> None:
+    """Refuses, by name, what a vision-language model does not run with yet (tensor parallelism
+    is refused where the model is split, sharding.py)."""
+    if args.lora.enable_lora:
+        raise ValueError(f"enable_lora: LoRA on {config.architecture} (a vision-language model) is not implemented")
+    if args.executor.enable_deterministic_inference:
+        raise ValueError(f"enable_deterministic_inference: with {config.architecture} (a vision-language model) is "
+                         "not implemented yet (the vision tower is not batch-invariant)")
+    if args.speculative.speculative_algorithm == "draft":
+        raise ValueError(f"speculative_algorithm: a draft model beside {config.architecture} (a vision-language "
+                         "model) is not implemented; ngram and suffix speculation are")
 
 
 def resolve_attention_backend(name: str, device: torch.device, dtype: torch.dtype) -> str:

@@ -65,7 +65,9 @@ def apply_penalties(logits: torch.Tensor, reqs: Sequence[SamplingRequest], eos_i
                 counts = torch.bincount(torch.tensor(req.output_ids, device=logits.device), minlength=vocab)
                 logits[row] -= sp.frequency_penalty * counts + sp.presence_penalty * (counts > 0)
         if sp.repetition_penalty != 1.0:
-            seen = torch.tensor(sorted(set(req.origin_input_ids) | set(req.output_ids)), device=logits.device)
+            # Image placeholders' pseudo ids lie past the vocabulary: only tokens count.
+            seen = sorted(t for t in set(req.origin_input_ids) | set(req.output_ids) if t < vocab)
+            seen = torch.tensor(seen, dtype=torch.int64, device=logits.device)
             scores = logits[row, seen]
             logits[row, seen] = torch.where(scores > 0, scores / sp.repetition_penalty, scores * sp.repetition_penalty)
         if sp.logit_bias:

@@ -276,9 +276,8 @@ def lora_bytes(config: ModelConfig, num_slots: int, max_rank: int, targets: tupl
 
 
 # --lora-backend auto on CUDA: the gathered kernels for forwards of up to this many tokens, the
-# masked products (cuBLAS) above. Per projection of the Llama-3.1-8B shape with 8 rank-16
-# adapters, replayed from CUDA graphs on an H100 (2026-12-05, bench_gpu_lora_kernel.py): at 1
-# token the kernels took 47 us for the four projections against 52 us, at 64 tokens 82 against 56.
+# masked products (cuBLAS) above: on an H100 the kernels won at 1 token and lost at 64
+# (benchmarks/results/gpu_h100_lora_kernel.jsonl, docs/lora.md).
 AUTO_TRITON_MAX_TOKENS = 8
 
 

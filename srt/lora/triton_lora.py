@@ -5,10 +5,13 @@ slots' (a CUDA graph captures them):
 
 - shrink: partial[t, p, s] = scaling[slot_t] * A[p, slot_t][:, K split s] @ x[t, K split s],
   for every part p (q|k|v of qkv_proj, gate|up of gate_up_proj), in fp32. K is cut into
-  splits of K_PER_SPLIT so that a long input (down_proj's 14336) is read by several programs;
-- expand: out[t, n] += B[n, slot_t] @ sum_s partial[t, part(n), s], the splits added in
-  order (the result does not depend on the batch or on timing), every part's columns in
-  one launch.
+  splits of K_PER_SPLIT, each read in one load by its own program: the kernels serve decode
+  of small batches (layers.AUTO_TRITON_MAX_TOKENS), where a program walking K in a loop of
+  dependent loads costs latency, not bandwidth;
+- expand: out[t, n] += B[n, slot_t] @ sum_s partial[t, part(n), s], every part's columns in
+  one launch. The partial sums are added in a fixed order (the result does not depend on
+  the batch or on timing); where the parts' boundaries are multiples of BLOCK_N (every real
+  model's) a program's columns lie in one part and it adds them once, not per column.
 
 A token of the base model (its row is the slots' count) loads nothing and adds nothing.
 """
@@ -19,8 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
-K_PER_SPLIT = 2048  # a multiple of the shrink's BLOCK_K
-BLOCK_K = 128
+K_PER_SPLIT = 512
+BLOCK_K = 512  # = K_PER_SPLIT: one load per program
 BLOCK_N = 64
 
 
@@ -50,8 +53,8 @@ def _shrink_kernel(x_ptr, a_ptr, rows_ptr, scaling_ptr, h_ptr, K, stride_x, K_PE
 
 @triton.jit
 def _expand_kernel(h_ptr, b_ptr, rows_ptr, out_ptr, N, stride_out, BOUND1, BOUND2, NUM_PARTS: tl.constexpr,
-                   SPLITS: tl.constexpr, NUM_SLOTS: tl.constexpr, RANK: tl.constexpr, RANK_P2: tl.constexpr,
-                   BLOCK_N: tl.constexpr):
+                   SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr, ALIGNED: tl.constexpr, NUM_SLOTS: tl.constexpr,
+                   RANK: tl.constexpr, RANK_P2: tl.constexpr, BLOCK_N: tl.constexpr):
     t = tl.program_id(0)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     row = tl.load(rows_ptr + t)
@@ -59,12 +62,20 @@ def _expand_kernel(h_ptr, b_ptr, rows_ptr, out_ptr, N, stride_out, BOUND1, BOUND
     r = tl.arange(0, RANK_P2)
     r_ok = (r < RANK) & (r * 0 + row < NUM_SLOTS)
     n_ok = (n < N) & (n * 0 + row < NUM_SLOTS)
-    part = (n >= BOUND1).to(tl.int32) + (n >= BOUND2).to(tl.int32)  # parts' first columns: 0, BOUND1, BOUND2
-    first = ((t * NUM_PARTS + part[:, None]) * SPLITS) * RANK_P2 + r[None, :]
     hmask = n_ok[:, None] & r_ok[None, :]
-    h = tl.load(h_ptr + first, mask=hmask, other=0.0)
-    for split in tl.static_range(1, SPLITS):
-        h += tl.load(h_ptr + first + split * RANK_P2, mask=hmask, other=0.0)
+    if ALIGNED:  # the program's columns are all in the part of its first
+        n0 = tl.program_id(1) * BLOCK_N
+        part = (n0 >= BOUND1).to(tl.int32) + (n0 >= BOUND2).to(tl.int32)
+        s = tl.arange(0, SPLITS_P2)
+        partials = tl.load(h_ptr + ((t * NUM_PARTS + part) * SPLITS + s[:, None]) * RANK_P2 + r[None, :],
+                           mask=(s[:, None] < SPLITS) & r_ok[None, :], other=0.0)
+        h = tl.sum(partials, axis=0)[None, :]
+    else:  # parts' first columns: 0, BOUND1, BOUND2
+        part = (n >= BOUND1).to(tl.int32) + (n >= BOUND2).to(tl.int32)
+        first = ((t * NUM_PARTS + part[:, None]) * SPLITS) * RANK_P2 + r[None, :]
+        h = tl.load(h_ptr + first, mask=hmask, other=0.0)
+        for split in tl.static_range(1, SPLITS):
+            h += tl.load(h_ptr + first + split * RANK_P2, mask=hmask, other=0.0)
     # B is [N, slots * rank]: slot s's columns are [s * rank, (s + 1) * rank).
     b = tl.load(b_ptr + n[:, None] * (NUM_SLOTS * RANK) + slot * RANK + r[None, :], mask=hmask, other=0.0)
     delta = tl.sum(b.to(tl.float32) * h, axis=1)
@@ -91,7 +102,9 @@ def lora_shrink_expand(x: torch.Tensor, out: torch.Tensor, lora_a: torch.Tensor,
                                             NUM_SLOTS=num_slots, RANK=rank, RANK_P2=rank_p2, BLOCK_K=BLOCK_K)
     n = offsets[-1][1]
     bounds = [start for start, _ in offsets[1:]] + [n] * (3 - parts)
+    aligned = all(b % BLOCK_N == 0 for b in bounds[:parts - 1])
     _expand_kernel[(tokens, triton.cdiv(n, BLOCK_N))](
         h, lora_b, rows, out, n, out.stride(0), bounds[0], bounds[1], NUM_PARTS=parts, SPLITS=splits,
-        NUM_SLOTS=num_slots, RANK=rank, RANK_P2=rank_p2, BLOCK_N=BLOCK_N)
+        SPLITS_P2=triton.next_power_of_2(splits), ALIGNED=aligned, NUM_SLOTS=num_slots, RANK=rank, RANK_P2=rank_p2,
+        BLOCK_N=BLOCK_N)
     return out

@@ -345,7 +345,14 @@ class Scheduler:
             "speculative": self.spec_stats(),
             "overlap": {"enabled": self.overlap, "steps": self.steps_launched,
                         "overlapped_steps": self.steps_overlapped},
+            "encoder_cache": self.encoder_cache_info(),
         }
+
+    def encoder_cache_info(self) -> dict[str, Any] | None:
+        """A vision-language model's encoder cache counters; None for a text-only model (and for
+        engines without images, such as the tests' fakes)."""
+        info = getattr(self.engine, "encoder_cache_info", None)
+        return info() if info is not None else None
 
     def tier_info(self) -> dict[str, Any]:
         """Each tier's size and traffic (the device pool's as in `kv`)."""

@@ -84,14 +84,17 @@ class ChatTurn:
 
 def prepare_turn(tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
                  tool_choice: Any, parallel_tool_calls: bool | None, options: ChatOptions,
-                 response_schema: str | None = None) -> ChatTurn:
-    """Raises ValueError naming the field for tools, tool messages or a template that refuses."""
+                 response_schema: str | None = None, image_token: str | None = None) -> ChatTurn:
+    """Raises ValueError naming the field for tools, tool messages or a template that refuses.
+    image_token: a vision-language model's image placeholder (messages may hold image parts)."""
     request = check_tools(tools, tool_choice, parallel_tool_calls)
     check_tool_messages(messages)
     template = getattr(tokenizer, "chat_template", None)
     if not template:
         raise ValueError("messages: this model has no chat template; use /v1/completions")
     rendered_messages, hf_tools = render_inputs(messages, request, template)
+    if image_token is not None:
+        rendered_messages = image_content(rendered_messages, image_token, template)
     try:
         prompt = tokenizer.apply_chat_template(rendered_messages, tools=hf_tools, add_generation_prompt=True,
                                                tokenize=False)
@@ -105,6 +108,22 @@ def prepare_turn(tokenizer: Any, messages: list[dict[str, Any]], tools: list[dic
     parser = options.tool_call_parser or default_parser_name(template)
     return ChatTurn(prompt, request, parser, options.reasoning_parser,
                     options.reasoning_parser is not None and prompt_opens_think(prompt), schema)
+
+
+def image_content(messages: list[dict[str, Any]], image_token: str, template: str) -> list[dict[str, Any]]:
+    """Messages with image parts ({"type": "image"}), as the template renders them: a template
+    that writes image parts itself (LLaVA's, which emit the image token) gets every content as
+    a list of parts; any other gets strings, with the image token where each image was."""
+    renders_images = "'image'" in template or '"image"' in template
+    out = []
+    for message in messages:
+        content = message.get("content")
+        if renders_images and isinstance(content, str):
+            content = [{"type": "text", "text": content}]
+        elif not renders_images and isinstance(content, list):
+            content = "".join(image_token if part["type"] == "image" else part["text"] for part in content)
+        out.append({**message, "content": content})
+    return out
 
 
 def after_reasoning(turn: ChatTurn, reasoning_text: str) -> str:

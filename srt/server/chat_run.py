@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
-from ..io_struct import TokenizedGenerateReq
+from ..io_struct import ImageInput, TokenizedGenerateReq
 from ..results import ResultBuilder
 from .chat import ChatOptions, ChatStream, ChatTurn, after_reasoning, prepare_turn
 from .openai_common import adapter_of, check_fits, samples, tokenize
@@ -37,6 +37,7 @@ class ChatRun:
     renames: dict[str, str]
     max_new: int
     msgs: list[TokenizedGenerateReq]
+    images: list[Any] = field(default_factory=list)  # the prompt's prepared images (a second phase re-expands them)
 
     @property
     def two_phase(self) -> bool:
@@ -47,11 +48,14 @@ def prepare_chat(tm: TokenizerManager, body: ChatCompletionRequest, options: Cha
     """Raises OpenAIError naming the field (as this request names it)."""
     max_field = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     renames = {**_RENAMES, "max_new_tokens": max_field}
-    messages = [m.as_dict(i) for i, m in enumerate(body.messages)]
+    image_intake = tm.intake.images  # None: a text-only model, which refuses image parts
+    messages = [m.as_dict(i, image_intake is not None) for i, m in enumerate(body.messages)]
     response_schema = body.schema_from_response_format()
     try:
         turn = prepare_turn(tm.tokenizer, messages, body.tools, body.tool_choice, body.parallel_tool_calls,
-                            options, response_schema)
+                            options, response_schema, image_intake.placeholder if image_intake else None)
+        # Decoding the images takes time: this runs in a worker thread (the route's to_thread).
+        images = tm.intake.load_images([u for i, m in enumerate(body.messages) for u in m.image_urls(i)], "messages")
     except ValueError as e:
         raise OpenAIError.from_value_error(e, renames) from None
     if turn.tools.constrained:
@@ -59,21 +63,31 @@ def prepare_chat(tm: TokenizerManager, body: ChatCompletionRequest, options: Cha
     elif response_schema is not None:
         json_object = body.response_format.type == "json_object"
         renames["json_schema"] = "response_format" if json_object else "response_format.json_schema.schema"
-    ids = tokenize(tm, turn.prompt, renames)  # the template already holds BOS and special tokens
+    ids, records = _with_images(tm, tokenize(tm, turn.prompt, renames), images, renames)
     max_new = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     if max_new is None:
         max_new = tm.context_len - len(ids)
     check_fits(tm, len(ids), max_new, max_field)
     if turn.constrain_after_reasoning:
-        msgs = _samples(tm, body, renames, ids, max_new, None, stop=[CLOSE], n=body.n)
+        msgs = _samples(tm, body, renames, ids, max_new, None, stop=[CLOSE], n=body.n, images=records)
     else:
-        msgs = _samples(tm, body, renames, ids, max_new, turn.json_schema, n=body.n)
-    return ChatRun(body, turn, renames, max_new, msgs)
+        msgs = _samples(tm, body, renames, ids, max_new, turn.json_schema, n=body.n, images=records)
+    return ChatRun(body, turn, renames, max_new, msgs, images)
+
+
+def _with_images(tm: TokenizerManager, ids: list[int], images: list[Any],
+                 renames: dict[str, str]) -> tuple[list[int], list[ImageInput]]:
+    """The rendered prompt's image placeholders expanded (the template already holds BOS and
+    special tokens)."""
+    try:
+        return tm.intake.expand_images(ids, images, "messages")
+    except ValueError as e:
+        raise OpenAIError.from_value_error(e, renames) from None
 
 
 def _samples(tm: TokenizerManager, body: ChatCompletionRequest, renames: dict[str, str], ids: list[int],
              max_new: int, schema: str | None, stop: list[str] = (), n: int = 1,
-             seed_offset: int = 0) -> list[TokenizedGenerateReq]:
+             seed_offset: int = 0, images: list[ImageInput] = ()) -> list[TokenizedGenerateReq]:
     """n samples (sample i seeded seed + seed_offset + i, with a seed)."""
     params = body.sampling_params(max_new)
     params["n"] = n
@@ -88,7 +102,7 @@ def _samples(tm: TokenizerManager, body: ChatCompletionRequest, renames: dict[st
         params["seed"] += seed_offset
     return samples(tm, ids, params, renames, return_logprob=body.logprobs, top_logprobs_num=body.top_logprobs or 0,
                    stream=body.stream, cache_salt=body.cache_salt, lora_path=adapter_of(tm, body.model),
-                   session_id=body.session_id)
+                   session_id=body.session_id, images=images)
 
 
 @dataclass(frozen=True)
@@ -176,7 +190,9 @@ class ChatChoices:
             return False
         run = self.run
         ids = tokenize(self._tm, after_reasoning(run.turn, first.text), run.renames)
-        [msg] = _samples(self._tm, run.body, run.renames, ids, left, run.turn.json_schema, seed_offset=index)
+        ids, records = _with_images(self._tm, ids, run.images, run.renames)
+        [msg] = _samples(self._tm, run.body, run.renames, ids, left, run.turn.json_schema, seed_offset=index,
+                         images=records)
         self.runner.follow(index, msg)
         choice.phase = ANSWER
         return True

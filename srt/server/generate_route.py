@@ -1,6 +1,6 @@
-"""SGLang's native /generate: the body checked and tokenized (off the event loop: a long prompt
-takes seconds to tokenize and would stall every other client), run by the request runner,
-answered whole or streamed as SSE."""
+"""SGLang's native /generate: the body checked and tokenized, its images decoded (off the event
+loop: a long prompt takes seconds to tokenize, an image to decode, and either would stall every
+other client), run by the request runner, answered whole or streamed as SSE."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from .tokenizer_manager import TokenizerManager
 
 GENERATE_FIELDS = {"text", "input_ids", "sampling_params", "return_logprob", "logprob_start_len",
                    "top_logprobs_num", "return_text_in_logprobs", "stream", "rid", "cache_salt",
-                   "lora_path", "session_id"}
+                   "lora_path", "session_id", "image_data"}
 _BOOL_FIELDS = ("stream", "return_text_in_logprobs")
 
 
@@ -96,7 +96,8 @@ def generate_requests(body: Any, intake: Intake) -> tuple[list[TokenizedGenerate
         body.get("text"), body.get("input_ids"), body.get("sampling_params"), body.get("rid"),
         return_logprob=body.get("return_logprob", False), logprob_start_len=body.get("logprob_start_len"),
         top_logprobs_num=body.get("top_logprobs_num"), stream=body.get("stream", False),
-        cache_salt=body.get("cache_salt"), lora_path=body.get("lora_path"), session_id=body.get("session_id"))
+        cache_salt=body.get("cache_salt"), lora_path=body.get("lora_path"), session_id=body.get("session_id"),
+        image_data=body.get("image_data"))
     msgs = [m for group in groups for m in group]
     return msgs, batched or len(msgs) > 1
 

@@ -90,7 +90,9 @@ def create_app(state: ServerState, api_key: str | None, max_request_bytes: int =
                 "vocab_size": state.tm.model_config.vocab_size,
                 "chat_template": getattr(tok, "chat_template", None), "special_tokens": special,
                 # Whether a client's programs may keep sessions (docs/sessions.md).
-                "program_sessions": bool(state.server_args.get("session_ttl"))}
+                "program_sessions": bool(state.server_args.get("session_ttl")),
+                # A vision-language model's image token, once per image in a prompt's text (None: no images).
+                "image_token": images.placeholder if (images := state.tm.intake.images) is not None else None}
 
     @app.get("/get_server_info")
     async def get_server_info() -> Any:

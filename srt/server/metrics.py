@@ -59,6 +59,15 @@ class Metrics:
                                         "budget (--session-total-tokens), pressure (evicted for running work)",
                                         ["reason"], registry=r)
         self._session_totals: dict[str, int] = {}
+        # Vision-language models: the encoder cache (srt/multimodal/encoder_cache.py), its
+        # counters since start as the scheduler reports them.
+        encoder = {"hits": "Image feature lookups the encoder cache answered",
+                   "misses": "Image feature lookups that ran the vision encoder",
+                   "encoded_images": "Images the vision encoder ran on",
+                   "encoder_runs": "Vision encoder forwards (same-size images run together)",
+                   "used_bytes": "Bytes of vision features the encoder cache holds"}
+        self.encoder_cache = {name: Gauge(f"radixlm_encoder_cache_{name}", text, registry=r)
+                              for name, text in encoder.items()}
 
     def on_request_end(self, state: Any) -> None:
         """`state`: the tokenizer manager's record of a request that ended (finished or not)."""
@@ -106,6 +115,10 @@ class Metrics:
                                  ("pressure_releases", self.session_releases.labels(reason="pressure"))):
                 counter.inc(max(0, sessions[key] - self._session_totals.get(key, 0)))
                 self._session_totals[key] = sessions[key]
+        encoder = info.get("encoder_cache")
+        if encoder:
+            for name, gauge in self.encoder_cache.items():
+                gauge.set(encoder[name])
         tiers = info.get("cache_tiers", {})
         figures = {"device": {"capacity_tokens": "capacity_tokens", "used_tokens": "cached_tokens"},
                    "host": {"capacity_tokens": "capacity_tokens", "used_tokens": "used_tokens",

@@ -181,10 +181,16 @@ def _is_int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
+class ImageURL(_Body):
+    url: str  # a data URL (or base64); http(s) only with --allow-remote-images
+    detail: str | None = None  # accepted and ignored: the vision tower sees one resolution
+
+
 class ContentPart(_Body):
     model_config = ConfigDict(strict=True, extra="allow")
     type: str
     text: str | None = None
+    image_url: ImageURL | None = None
 
 
 class ChatMessage(_Body):
@@ -194,10 +200,12 @@ class ChatMessage(_Body):
     tool_call_id: str | None = None
     tool_calls: list[dict[str, Any]] | None = None
 
-    def as_dict(self, index: int) -> dict[str, Any]:
-        """The message as a chat template takes it (developer is a system message)."""
+    def as_dict(self, index: int, takes_images: bool = False) -> dict[str, Any]:
+        """The message as a chat template takes it (developer is a system message): its content
+        a string, or with images its parts as [{"type": "text", "text": ...}, {"type": "image"}]
+        (chat.py renders them). takes_images: the model is a vision-language model."""
         message: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role,
-                                   "content": self.text(index)}
+                                   "content": self._content(index, takes_images)}
         if self.name is not None:
             message["name"] = self.name
         if self.tool_call_id is not None:
@@ -208,21 +216,37 @@ class ChatMessage(_Body):
                 message["content"] = None
         return message
 
-    def text(self, index: int) -> str:
-        """The content as one string; only text parts are accepted."""
+    def _content(self, index: int, takes_images: bool) -> str | list[dict[str, Any]]:
         if self.content is None:
             return ""
         if isinstance(self.content, str):
             return self.content
-        pieces = []
+        parts: list[dict[str, Any]] = []
         for j, part in enumerate(self.content):
             where = f"messages[{index}].content[{j}]"
-            if part.type != "text":
-                raise OpenAIError(f"{where}: content of type {part.type!r} is not supported (text only)", where)
-            if part.text is None:
-                raise OpenAIError(f"{where}.text: required for a text part", f"{where}.text")
-            pieces.append(part.text)
-        return "".join(pieces)
+            if part.type == "text":
+                if part.text is None:
+                    raise OpenAIError(f"{where}.text: required for a text part", f"{where}.text")
+                parts.append({"type": "text", "text": part.text})
+            elif part.type == "image_url" and takes_images:
+                if part.image_url is None:
+                    raise OpenAIError(f"{where}.image_url: required for an image_url part", f"{where}.image_url")
+                parts.append({"type": "image"})
+            elif part.type == "image_url":
+                raise OpenAIError(f"{where}: this model is text-only; images need a vision-language model", where)
+            else:
+                raise OpenAIError(f"{where}: content of type {part.type!r} is not supported (text and image_url "
+                                  "are)", where)
+        if all(part["type"] == "text" for part in parts):
+            return "".join(part["text"] for part in parts)
+        return parts
+
+    def image_urls(self, index: int) -> list[tuple[str, str]]:
+        """(field, url) of each image part, in order."""
+        if not isinstance(self.content, list):
+            return []
+        return [(f"messages[{index}].content[{j}].image_url.url", part.image_url.url)
+                for j, part in enumerate(self.content) if part.type == "image_url" and part.image_url is not None]
 
 
 class JsonSchemaFormat(_Body):

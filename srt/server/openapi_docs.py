@@ -35,6 +35,10 @@ class GenerateRequest(_Doc):
         None, description="a LoRA adapter's name (--enable-lora), or one per prompt; null: the base model")
     session_id: str | None = Field(None, min_length=1, max_length=128,
                                    description="the program session whose latest prefix stays cached")
+    image_data: str | list[str | None | list[str]] | None = Field(
+        None, description="vision-language models: an image (a data URL or base64; an http(s) URL with "
+                          "--allow-remote-images) or a list of them, or one such entry per prompt of a batch; each "
+                          "image's placeholder token sits in its prompt where it goes")
 
 
 class LoadLoRARequest(_Doc):

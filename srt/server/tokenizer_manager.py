@@ -108,17 +108,19 @@ class RequestStream:
 class TokenizerManager:
     def __init__(self, tokenizer: Any, model_config: Any, context_len: int, scheduler_addr: str,
                  recv_addr: str, metrics: Metrics | None = None, max_in_flight: int | None = None,
-                 default_seed: int | None = None, adapters: Any = None, sessions: Any = None):
+                 default_seed: int | None = None, adapters: Any = None, sessions: Any = None, images: Any = None):
         """adapters: the LoRA adapters requests may name (lora_routes.AdapterNames, with
         --enable-lora), else None. sessions: the owners of session ids
-        (session_routes.SessionOwners), else None (not checked)."""
+        (session_routes.SessionOwners), else None (not checked). images: a vision-language
+        model's image intake (multimodal/inputs.py's ImageInputs), else None. The intake, images
+        included, runs in worker threads (the routes' asyncio.to_thread), never on the loop."""
         self.tokenizer = tokenizer
         self.model_config = model_config
         self.context_len = context_len
         self.adapters = adapters
         self.sessions = sessions
         self.intake = Intake(tokenizer, model_config.vocab_size, context_len, default_seed,
-                             adapters.usable if adapters is not None else None, sessions)
+                             adapters.usable if adapters is not None else None, sessions, images)
         self.metrics = metrics or Metrics()
         # Running plus waiting requests the server holds at most; beyond it requests get 429.
         self.max_in_flight = max_in_flight
@@ -212,7 +214,7 @@ class TokenizerManager:
         own: the samples it runs for were admitted and wait for it."""
         warm = TokenizedGenerateReq(rid=uuid.uuid4().hex, input_ids=msg.input_ids,
                                     sampling_params=SamplingParams(max_new_tokens=0), cache_salt=msg.cache_salt,
-                                    lora_path=msg.lora_path)
+                                    lora_path=msg.lora_path, images=msg.images)
         await self.generate_once(warm, admitted=True)
 
     async def abort(self, rid: str, abort_all: bool = False) -> None:

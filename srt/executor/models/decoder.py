@@ -105,10 +105,25 @@ class CausalLM(nn.Module):
     def lm_head_weight(self) -> torch.Tensor:
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
+    @classmethod
+    def checkpoint_shapes(cls, config: ModelConfig) -> dict[str, tuple[int, ...]]:
+        """HF tensor names (as `checkpoint_name` gives them) and shapes of a checkpoint."""
+        return checkpoint.hf_weight_shapes(config, cls.family)
+
+    @classmethod
+    def checkpoint_name(cls, config: ModelConfig, name: str) -> str | None:
+        """A checkpoint tensor's name as `checkpoint_shapes` spells it; None for a tensor the
+        model knowingly does not use (read nothing, warn nothing)."""
+        return name
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend,
                 logit_rows: torch.Tensor | None = None) -> torch.Tensor:
         """Logits for `logit_rows` of the new tokens (all rows when None): [len(rows), vocab]."""
-        x = self.embed(input_ids)
+        return self.forward_embeds(self.embed(input_ids), positions, attn, logit_rows)
+
+    def forward_embeds(self, x: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend,
+                       logit_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """`forward` from the token embeddings on (a vision-language model splices images in first)."""
         if self.embed_scale is not None:
             x = x * torch.tensor(self.embed_scale, dtype=x.dtype).item()  # a host scalar: no device sync
         residual = None

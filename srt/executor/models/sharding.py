@@ -116,6 +116,9 @@ def check_tp_size(config: ModelConfig, size: int) -> None:
     heads, kv_heads = config.num_heads, config.num_kv_heads
     if size < 1:
         raise ValueError("tp_size: must be >= 1")
+    if size > 1 and config.vision is not None:
+        raise ValueError(f"tp_size: {config.architecture} (a vision-language model) is not supported with tensor "
+                         "parallelism yet; run it with tp_size 1")
     if size > heads:
         raise ValueError(f"tp_size: {size} ranks for {heads} attention heads; at most {heads}")
     if size > kv_heads:
