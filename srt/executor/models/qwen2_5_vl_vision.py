@@ -10,62 +10,13 @@ both are segments of the packed batch, so images never attend to each other.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch import nn
 from torch.nn import functional as F
 
-
-@dataclass(frozen=True)
-class VisionConfig:
-    depth: int
-    hidden_size: int
-    intermediate_size: int
-    num_heads: int
-    in_channels: int
-    patch_size: int
-    temporal_patch_size: int
-    spatial_merge_size: int
-    window_size: int
-    out_hidden_size: int
-    fullatt_block_indexes: tuple[int, ...]
-    rope_theta: float = 10000.0
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
-
-    @property
-    def patch_dim(self) -> int:
-        return self.in_channels * self.temporal_patch_size * self.patch_size ** 2
-
-    @classmethod
-    def from_hf(cls, hf: Any) -> VisionConfig:
-        """From a Qwen2_5_VLVisionConfig (or the vision_config dict of a checkpoint's config.json);
-        refuses, by name, the options this encoder does not implement."""
-        get = hf.get if isinstance(hf, dict) else (lambda key, default=None: getattr(hf, key, default))
-        if get("hidden_act", "silu") != "silu":
-            raise ValueError(f"vision_config.hidden_act={get('hidden_act')!r} is not supported (only 'silu')")
-        rope = get("rope_parameters") or {}
-        if rope.get("rope_type", "axial") != "axial":
-            raise ValueError(f"vision_config.rope_parameters.rope_type={rope.get('rope_type')!r} is not supported")
-        for key in ("patch_size", "temporal_patch_size"):
-            if not isinstance(get(key, 1), int):
-                raise ValueError(f"vision_config.{key}={get(key)!r}: only a single int is supported")
-        config = cls(depth=get("depth"), hidden_size=get("hidden_size"), intermediate_size=get("intermediate_size"),
-                     num_heads=get("num_heads"), in_channels=get("in_channels", get("in_chans", 3)),
-                     patch_size=get("patch_size", 14),
-                     temporal_patch_size=get("temporal_patch_size", 2),
-                     spatial_merge_size=get("spatial_merge_size", 2), window_size=get("window_size", 112),
-                     out_hidden_size=get("out_hidden_size"),
-                     fullatt_block_indexes=tuple(get("fullatt_block_indexes", ())),
-                     rope_theta=float(rope.get("rope_theta", 10000.0)))
-        if config.hidden_size % config.num_heads or config.head_dim % 4:
-            raise ValueError(f"vision_config: head_dim {config.hidden_size}/{config.num_heads} must be a multiple of 4")
-        if config.window_size < config.patch_size * config.spatial_merge_size:
-            raise ValueError(f"vision_config.window_size={config.window_size} is smaller than one merged patch")
-        return config
+from ...qwen2_5_vl_config import Qwen2_5_VisionConfig as VisionConfig
+from .layers import Linear
 
 
 @dataclass(frozen=True)
@@ -186,8 +137,8 @@ class VisionAttention(nn.Module):
     def __init__(self, config: VisionConfig):
         super().__init__()
         self.num_heads = config.num_heads
-        self.qkv = nn.Linear(config.hidden_size, 3 * config.hidden_size)
-        self.proj = nn.Linear(config.hidden_size, config.hidden_size)
+        self.qkv = Linear(config.hidden_size, 3 * config.hidden_size)
+        self.proj = Linear(config.hidden_size, config.hidden_size)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, plan: SegmentPlan) -> torch.Tensor:
         q, k, v = self.qkv(x).unflatten(-1, (3, self.num_heads, -1)).unbind(1)
@@ -198,9 +149,9 @@ class VisionAttention(nn.Module):
 class VisionMLP(nn.Module):
     def __init__(self, config: VisionConfig):
         super().__init__()
-        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size)
-        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size)
+        self.gate_proj = Linear(config.hidden_size, config.intermediate_size)
+        self.up_proj = Linear(config.hidden_size, config.intermediate_size)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -226,7 +177,7 @@ class PatchMerger(nn.Module):
         super().__init__()
         merged = config.hidden_size * config.spatial_merge_size ** 2
         self.ln_q = RMSNorm(config.hidden_size)
-        self.mlp = nn.Sequential(nn.Linear(merged, merged), nn.GELU(), nn.Linear(merged, config.out_hidden_size))
+        self.mlp = nn.Sequential(Linear(merged, merged), nn.GELU(), Linear(merged, config.out_hidden_size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         merged = self.mlp[0].in_features
@@ -240,7 +191,7 @@ class Qwen2_5_VisionEncoder(nn.Module):
         super().__init__()
         self.config = config
         # The checkpoint's Conv3d has stride == kernel, so it is a linear map of each flat patch.
-        self.patch_embed = nn.Linear(config.patch_dim, config.hidden_size, bias=False)
+        self.patch_embed = Linear(config.patch_dim, config.hidden_size, bias=False)
         self.blocks = nn.ModuleList(VisionBlock(config) for _ in range(config.depth))
         self.merger = PatchMerger(config)
         # Rows and columns each take half of the rotated pairs, with the same frequencies.
