@@ -1,6 +1,6 @@
 """Qwen2.5-VL parts against HF transformers on a tiny random model: the vision encoder (windows,
-full-attention blocks, merger, batching over images of different grids) and M-RoPE (positions and
-the rotary application)."""
+full-attention blocks, merger, batching over images of different grids) and M-RoPE (positions,
+whole and by chunks, and the rotary application)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,9 @@ transformers = pytest.importorskip("transformers")
 from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration  # noqa: E402
 from transformers.models.qwen2_5_vl import modeling_qwen2_5_vl as hf_qwen  # noqa: E402
 
-from radixlm.srt.executor.models.mrope import (  # noqa: E402
-    apply_mrope, mrope_cos_sin, mrope_decode_positions, mrope_inv_freq, mrope_params, mrope_positions)
+from radixlm.srt.core.image_positions import rope_delta, rope_positions  # noqa: E402
+from radixlm.srt.executor.models.mrope import MRotaryEmbedding  # noqa: E402
+from radixlm.srt.io_struct import ImageInput  # noqa: E402
 from radixlm.srt.executor.models.qwen2_5_vl_vision import (  # noqa: E402
     Qwen2_5_VisionEncoder, VisionConfig, load_vision_weights)
 
@@ -109,40 +110,46 @@ def prompt(grids: list[tuple[int, int]]) -> list[int]:
     return ids
 
 
+def image_records(ids: list[int], grids: list[tuple[int, int]]) -> list[ImageInput]:
+    """Each image's tokens as the intake records them: offset, length and (rows, cols) of merged tokens."""
+    records, cursor = [], 0
+    for h, w in grids:
+        offset = ids.index(IMAGE, cursor)
+        records.append(ImageInput("00", offset, h * w // 4, b"", (0,), "float32", (h // 2, w // 2)))
+        cursor = offset + h * w // 4
+    return records
+
+
 def test_mrope_positions_match_hf_get_rope_index(hf_model):
     grids = [(8, 6), (6, 10)]
     ids = torch.tensor([prompt(grids)])
     grid_thw = torch.tensor([(1, h, w) for h, w in grids])
     expected, expected_delta = hf_model.model.get_rope_index(ids, (ids == IMAGE).int(), image_grid_thw=grid_thw)
-    positions, delta = mrope_positions(ids[0], IMAGE, grid_thw, spatial_merge_size=2)
-    assert torch.equal(positions, expected[:, 0])
-    assert delta == int(expected_delta)
-    # Decode tokens continue at index + delta on all three rows, as HF's generate places them.
+    images = image_records(ids[0].tolist(), grids)
     length = ids.shape[1]
-    decode = mrope_decode_positions(torch.arange(length, length + 3), torch.tensor(delta))
-    assert torch.equal(decode, (positions.max() + 1 + torch.arange(3)).expand(3, -1))
+    assert torch.equal(torch.tensor(rope_positions(images, 0, length)), expected[:, 0])
+    assert rope_delta(images) == int(expected_delta)
+    # Chunks take their slice, whether they cut an image or hold text only (then one row).
+    for cuts in ([0, 7, 20, length], [0, 5, 17, 18, length]):
+        pieces = [torch.tensor(rope_positions(images, a, b)).expand(3, -1) for a, b in zip(cuts, cuts[1:])]
+        assert torch.equal(torch.cat(pieces, dim=1), expected[:, 0])
+    assert len(rope_positions(images, length - 2, length)) == 1
+    assert len(rope_positions(images, 0, 4)) == 1 and len(rope_positions(images, 0, 5)) == 3
+    # Tokens after the prompt continue at index + delta, as HF's generate places them.
+    assert rope_positions(images, length, length + 1) == [[int(expected[0, 0].max()) + 1]]
 
 
-def test_mrope_positions_text_only_and_bad_input():
-    positions, delta = mrope_positions([5, 6, 7], IMAGE, [], 2)
-    assert torch.equal(positions, torch.arange(3).expand(3, -1)) and delta == 0
-    with pytest.raises(ValueError, match="more image tokens"):
-        mrope_positions(prompt([(4, 4)]), IMAGE, [], 2)
-    with pytest.raises(ValueError, match="2 image grids"):
-        mrope_positions(prompt([(4, 4)]), IMAGE, [(1, 4, 4), (1, 4, 4)], 2)
-    with pytest.raises(ValueError, match="consecutive image tokens"):
-        mrope_positions(prompt([(4, 4)]), IMAGE, [(1, 8, 4)], 2)
-    with pytest.raises(ValueError, match="video"):
-        mrope_positions(prompt([(4, 4)]), IMAGE, [(2, 4, 4)], 2)
+def test_mrope_positions_of_text_and_of_images_without_a_grid():
+    assert rope_positions([], 3, 6) == [[3, 4, 5]] and rope_delta([]) == 0
+    plain = ImageInput("00", 1, 4, b"", (0,), "float32")  # LLaVA's: a plain run of positions
+    assert rope_positions([plain], 0, 6) == [[0, 1, 2, 3, 4, 5]] and rope_delta([plain]) == 0
 
 
 def test_mrope_rotary_matches_hf(hf_model):
     text_config = hf_model.config.text_config
-    rope_theta, section = mrope_params(text_config)
-    assert section == (2, 3, 3)
     grids = [(4, 4), (6, 10)]
     ids = prompt(grids)
-    positions, _ = mrope_positions(ids, IMAGE, [(1, h, w) for h, w in grids], 2)
+    positions = torch.tensor(rope_positions(image_records(ids, grids), 0, len(ids)))
     num_tokens, head_dim = len(ids), 16
     torch.manual_seed(1)
     q, k = torch.randn(num_tokens, 2, head_dim), torch.randn(num_tokens, 1, head_dim)
@@ -151,7 +158,11 @@ def test_mrope_rotary_matches_hf(hf_model):
     cos, sin = hf_rotary(q, positions[:, None, :])
     expected_q, expected_k = hf_qwen.apply_rotary_pos_emb(q.transpose(0, 1)[None], k.transpose(0, 1)[None], cos, sin)
 
-    cos, sin = mrope_cos_sin(positions, mrope_inv_freq(head_dim, rope_theta), section)
-    got_q, got_k = apply_mrope(q, k, cos, sin)
+    rotary = MRotaryEmbedding(text_config, head_dim, 10000.0, 256, (2, 3, 3))
+    got_q, got_k = rotary(positions, q, k)
     assert (got_q - expected_q[0].transpose(0, 1)).abs().max().item() < 1e-5
     assert (got_k - expected_k[0].transpose(0, 1)).abs().max().item() < 1e-5
+    # One row (text, decode) is plain rope at that position: the same as three equal rows.
+    one_row = positions[0, :4]
+    for plain, gathered in zip(rotary(one_row, q[:4], k[:4]), rotary(one_row.expand(3, -1), q[:4], k[:4])):
+        assert torch.equal(plain, gathered)
