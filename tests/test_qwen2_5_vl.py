@@ -215,6 +215,11 @@ def test_chunked_prefill_and_a_cached_prefix_cut_through_an_image(checkpoint, to
         engine.shutdown()
 
 
+def test_an_image_stands_for_qwens_vision_tokens_in_text(engine) -> None:
+    """What sgl.image and a chat template without image parts write (/get_server_info's image_token)."""
+    assert engine.intake.images.placeholder == IMAGE
+
+
 # ---------------------------------------------------------------- refused by name
 
 
@@ -262,3 +267,19 @@ def test_tensor_parallelism_and_another_image_processor_are_refused(checkpoint, 
     (tmp_path / "preprocessor_config.json").write_text(json.dumps({**fields, "image_processor_type": "SiglipImageProcessor"}))
     with pytest.raises(ValueError, match="image processor 'SiglipImageProcessor' is not supported"):
         load_image_processor(str(tmp_path), vision)
+
+
+def test_ngram_speculation_verifies_at_shifted_positions(checkpoint, tokenizer) -> None:
+    """Draft tokens after the prompt are verified at index + delta, as decode steps feed them
+    (this image prompt's output repeats a token, so prompt lookup drafts after it)."""
+    model, path = checkpoint
+    cases = [(PROMPT_THREE, [_image(SIZES[1], s) for s in (2, 3, 4)]), (PROMPT_TEXT, [])]
+    expected = [_hf_greedy(model, _hf_inputs(model, tokenizer, path, prompt, images), 24) for prompt, images in cases]
+    engine = Engine(model_path=str(path), max_total_tokens=4096, speculative_algorithm="ngram")
+    try:
+        outs = engine.generate([prompt for prompt, _ in cases], {**GREEDY, "max_new_tokens": 24},
+                               image_data=[images or None for _, images in cases])
+    finally:
+        engine.shutdown()
+    assert outs[0]["meta_info"].get("spec_verify_ct", 0) > 0
+    assert [out["output_ids"] for out in outs] == expected
