@@ -99,5 +99,5 @@ def read_qwen2_5_vl_vision(hf_config: Any, head_dim: int, vocab_size: int) -> Qw
     for name, value in ids.items():
         if not isinstance(value, int) or not 0 <= value < vocab_size:
             raise ValueError(f"{name} {value!r} is not a token of the vocabulary [0, {vocab_size})")
-    return Qwen2_5_VLVision(tower=tower, mrope_section=section, video_token_id=getattr(hf_config, "video_token_id", None),
-                            **ids)
+    video = getattr(hf_config, "video_token_id", None)
+    return Qwen2_5_VLVision(tower=tower, mrope_section=section, video_token_id=video, **ids)

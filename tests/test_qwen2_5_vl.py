@@ -264,7 +264,8 @@ def test_tensor_parallelism_and_another_image_processor_are_refused(checkpoint, 
     (tmp_path / "preprocessor_config.json").write_text(json.dumps({**fields, "merge_size": 3}))
     with pytest.raises(ValueError, match="merge_size 3 differs from the vision tower's 2"):
         load_image_processor(str(tmp_path), vision)
-    (tmp_path / "preprocessor_config.json").write_text(json.dumps({**fields, "image_processor_type": "SiglipImageProcessor"}))
+    siglip = {**fields, "image_processor_type": "SiglipImageProcessor"}
+    (tmp_path / "preprocessor_config.json").write_text(json.dumps(siglip))
     with pytest.raises(ValueError, match="image processor 'SiglipImageProcessor' is not supported"):
         load_image_processor(str(tmp_path), vision)
 
