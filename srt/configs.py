@@ -13,6 +13,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from .qwen2_5_vl_config import QWEN2_5_VL, Qwen2_5_VLVision, read_qwen2_5_vl_vision
+
 # Rope types whose frequencies are fixed for the whole context we serve. "dynamic" (NTK)
 # changes them only past max_position_embeddings, which is our context length; "longrope"
 # switches to its long factors past original_max_position_embeddings, so the context is
@@ -46,6 +48,11 @@ class VisionConfig:
     @property
     def tokens_per_image(self) -> int:
         return (self.image_size // self.patch_size) ** 2 + (1 if self.keep_cls else 0)
+
+    @property
+    def placeholder_ids(self) -> tuple[int, ...]:
+        """The tokens an image stands for in a prompt's text."""
+        return (self.image_token_id,)
 
 
 @dataclass(frozen=True)
@@ -85,7 +92,8 @@ class ModelConfig:
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = True  # renormalise the top-k routing weights to sum to one
     sparse_layers: tuple[int, ...] = ()  # layers whose MLP is the MoE block
-    vision: VisionConfig | None = None  # a vision-language model's tower; None: text only
+    # A vision-language model's tower (LLaVA's CLIP, or Qwen2.5-VL's); None: text only.
+    vision: VisionConfig | Qwen2_5_VLVision | None = None
 
     @property
     def attention_scale(self) -> float:
@@ -101,6 +109,8 @@ class ModelConfig:
         arch = archs[0] if archs else _ARCH_BY_MODEL_TYPE.get(model_type, "LlamaForCausalLM")
         if arch == LLAVA:
             return _llava(hf_config)
+        if arch == QWEN2_5_VL:
+            return _qwen2_5_vl(hf_config)
         if arch not in _FAMILY_READERS:
             raise ValueError(f"architecture {arch!r} is not supported; supported: {SUPPORTED_ARCHITECTURES}")
         num_heads = hf_config.num_attention_heads
@@ -138,6 +148,8 @@ _ARCH_BY_MODEL_TYPE = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "llava": LLAVA,
+    "qwen2_5_vl": QWEN2_5_VL,
+    "qwen2_5_vl_text": "Qwen2ForCausalLM",  # Qwen2.5-VL's language model: a Qwen2 decoder with M-RoPE
 }
 
 
@@ -187,6 +199,18 @@ def _llava(hf_config: Any) -> ModelConfig:
         raise ValueError(f"image_token_index {tower.image_token_id} is outside the vocabulary [0, {language.vocab_size})")
     # The top-level flag wins: transformers copies a text config's tie_word_embeddings up to it.
     return dataclasses.replace(language, architecture=LLAVA, vision=tower,
+                               tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)))
+
+
+def _qwen2_5_vl(hf_config: Any) -> ModelConfig:
+    """Qwen2.5-VL: its windowed vision tower and merger (qwen2_5_vl_config.py), and a Qwen2
+    language model whose rotary takes three position rows (M-RoPE) with rope_theta only."""
+    language = ModelConfig.from_hf(hf_config.text_config)
+    if language.rope_scaling is not None:
+        raise ValueError(f"{QWEN2_5_VL} with rope type {language.rope_scaling.get('rope_type')!r} is not supported "
+                         "(M-RoPE with the default rope is)")
+    vision = read_qwen2_5_vl_vision(hf_config, language.head_dim, language.vocab_size)
+    return dataclasses.replace(language, architecture=QWEN2_5_VL, vision=vision,
                                tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)))
 
 
@@ -273,7 +297,7 @@ _FAMILY_READERS: dict[str, Callable[[Any], dict[str, Any]]] = {
     "MixtralForCausalLM": _mixtral,
     "Qwen3MoeForCausalLM": _qwen3_moe,
 }
-SUPPORTED_ARCHITECTURES = (*_FAMILY_READERS, LLAVA)
+SUPPORTED_ARCHITECTURES = (*_FAMILY_READERS, LLAVA, QWEN2_5_VL)
 
 
 # ---- shared readers --------------------------------------------------------------------------

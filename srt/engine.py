@@ -78,7 +78,8 @@ class Engine:
         (docs/sessions.md).
         image_data (vision-language models): an image (a PIL image, bytes, a path, a data URL or
         base64) or a list of them for one prompt, or for a batch a list with one such entry per
-        prompt; each image's placeholder token ("<image>") sits in its prompt where it goes."""
+        prompt; each image's placeholder ("<image>"; Qwen2.5-VL's "<|image_pad|>", between its vision
+        start and end tokens) sits in its prompt where it goes."""
         batched, groups = self.intake.batch(
             prompt, input_ids, sampling_params, rid, text_field="prompt", return_logprob=return_logprob,
             logprob_start_len=logprob_start_len, top_logprobs_num=top_logprobs_num, cache_salt=cache_salt,

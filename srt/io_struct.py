@@ -22,7 +22,9 @@ from .sampling_params import SamplingParams
 class ImageInput:
     """One image of a prompt: its placeholder tokens input_ids[offset:offset + length] (pseudo
     ids derived from `content_hash`, srt/multimodal/hashing.py) and the processed pixel values
-    the tower reads, as raw bytes of `dtype` in `shape`."""
+    the tower reads, as raw bytes of `dtype` in `shape`. `token_grid`: (rows, cols) of its tokens
+    where the model places them on a grid (Qwen2.5-VL's M-RoPE, srt/core/image_positions.py);
+    None where they are a plain run of positions (LLaVA)."""
 
     content_hash: str
     offset: int
@@ -30,6 +32,7 @@ class ImageInput:
     pixels: bytes
     shape: tuple[int, ...]
     dtype: str  # a numpy dtype name ("float32")
+    token_grid: tuple[int, int] | None = None
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,7 @@ from typing import Any
 
 from ..io_struct import ImageInput, TokenizedGenerateReq
 from ..sampling_params import SamplingParams
+from .image_positions import rope_delta
 
 
 _PIXEL_BYTES = {"float32": 4, "float16": 2}  # pixel value dtypes an image may travel in
@@ -60,6 +61,9 @@ class Req:
     session_id: str | None = None  # its program session (srt/scheduler/sessions.py)
     # Its images, in prompt order: the engine encodes the ones a prefill chunk overlaps.
     images: list[ImageInput] = field(default_factory=list)
+    # Rotary position minus index of the tokens after the prompt (M-RoPE images take fewer
+    # positions than tokens, image_positions.py); 0 without gridded images.
+    rope_delta: int = 0
     output_ids: list[int] = field(default_factory=list)
     finish_reason: FinishReason | None = None
     grammar: Any = None  # the GrammarMatcher, once the request's grammar compiled
@@ -97,7 +101,8 @@ class Req:
         _check_images(msg.input_ids, msg.images, vocab_size)
         return cls(rid=msg.rid, origin_input_ids=list(msg.input_ids), sampling_params=sp,
                    logprob=LogprobOptions(msg.return_logprob, msg.logprob_start_len, msg.top_logprobs_num),
-                   namespace=msg.cache_salt, stream=msg.stream, session_id=msg.session_id, images=list(msg.images))
+                   namespace=msg.cache_salt, stream=msg.stream, session_id=msg.session_id, images=list(msg.images),
+                   rope_delta=rope_delta(msg.images))
 
     @property
     def fill_ids(self) -> list[int]:
@@ -132,6 +137,9 @@ def _check_images(ids: list[int], images: list[ImageInput], vocab_size: int) -> 
                              "placeholders")
         if image.dtype not in _PIXEL_BYTES or len(image.pixels) != math.prod(image.shape) * _PIXEL_BYTES[image.dtype]:
             raise ValueError(f"images[{i}]: {len(image.pixels)} bytes are not {image.dtype} pixels of shape {image.shape}")
+        grid = image.token_grid
+        if grid is not None and (len(grid) != 2 or min(grid) < 1 or grid[0] * grid[1] != image.length):
+            raise ValueError(f"images[{i}]: token_grid {grid} does not hold its {image.length} tokens")
         covered += image.length
     if sum(1 for t in ids if t >= vocab_size) != covered:
         raise ValueError("input_ids: token ids past the vocabulary outside any image")

@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import torch
 
+from ..core.image_positions import rope_positions
 from ..core.step import ExtendPlan
 from .forward_batch import ForwardBatch, ForwardMode, ImageSlice
 
 
 def build_extend_batch(plans: list[ExtendPlan], device: torch.device) -> ForwardBatch:
+    """Positions are one row, or three (t, h, w) when a part feeds tokens of an image on a grid
+    (M-RoPE); text tokens then repeat theirs on all three rows."""
     input_ids: list[int] = []
-    positions: list[int] = []
+    rows: list[list[int]] = [[]]  # position rows; all of them the same length
     out_cache_loc: list[int] = []
     logit_rows: list[int] = []
     images: list[ImageSlice] = []
@@ -21,13 +24,21 @@ def build_extend_batch(plans: list[ExtendPlan], device: torch.device) -> Forward
         images.extend(_image_slices(plan, row0, own))
         input_ids.extend(fill[plan.start:plan.start + own])
         input_ids.extend(plan.drafts)
-        positions.extend(range(plan.start, plan.start + plan.extend_len))
+        part_rows = rope_positions(plan.req.images, plan.start, plan.start + own)
+        if len(part_rows) > len(rows):  # the batch's first gridded image: every row so far is text
+            rows = [rows[0], list(rows[0]), list(rows[0])]
+        drafts = range(plan.start + own + plan.req.rope_delta, plan.start + plan.extend_len + plan.req.rope_delta)
+        for i, row in enumerate(rows):  # text parts repeat their one row
+            row.extend(part_rows[i if len(part_rows) > 1 else 0])
+            row.extend(drafts)
         out_cache_loc.extend(plan.slots)
         first = row0 + plan.first_logit_pos - plan.start
         logit_rows.extend(range(first, first + plan.logit_count))
-    batch, _ = _forward_batch(device, ForwardMode.EXTEND, input_ids, positions, out_cache_loc,
-                              [p.req.req_pool_idx for p in plans], [p.start for p in plans],
-                              [p.extend_len for p in plans], logit_rows)
+    batch, grid_rows = _forward_batch(device, ForwardMode.EXTEND, input_ids, rows[0], out_cache_loc,
+                                      [p.req.req_pool_idx for p in plans], [p.start for p in plans],
+                                      [p.extend_len for p in plans], logit_rows, *rows[1:])
+    if grid_rows:
+        batch.positions = torch.stack([batch.positions, *grid_rows])
     batch.images = images
     return batch
 
@@ -54,9 +65,11 @@ def build_decode_batch(parts: list[ExtendPlan], device: torch.device,
     reqs = [p.req for p in parts]
     host_ids = [r.output_ids[-1] if not r.pending_tokens else 0 for r in reqs]
     pending = [1 if r.pending_tokens else 0 for r in reqs]
-    positions = [p.start for p in parts]
+    starts = [p.start for p in parts]
+    # After the prompt every token is text: one position row, shifted by the request's images (M-RoPE).
+    positions = [p.start + p.req.rope_delta for p in parts]
     batch, (on_device,) = _forward_batch(device, ForwardMode.DECODE, host_ids, positions, [p.slots[0] for p in parts],
-                                         [r.req_pool_idx for r in reqs], positions, [1] * len(reqs),
+                                         [r.req_pool_idx for r in reqs], starts, [1] * len(reqs),
                                          range(len(reqs)), pending)
     if last_tokens is not None:
         batch.input_ids = torch.where(on_device.bool(), last_tokens[batch.req_pool_indices], batch.input_ids)
@@ -78,16 +91,19 @@ def build_verify_batch(parts: list[ExtendPlan], device: torch.device) -> Forward
     it is causal over the drafts as an extend would be, and replays the decode CUDA graphs
     (an eager extend forward of a few tokens costs several decode steps on a GPU)."""
     input_ids: list[int] = []
+    starts: list[int] = []
     positions: list[int] = []
     rows: list[int] = []
     for part in parts:
         own = part.extend_len - len(part.drafts)
         input_ids.extend(part.req.fill_ids[part.start:part.start + own])
         input_ids.extend(part.drafts)
-        positions.extend(range(part.start, part.start + part.extend_len))
+        starts.extend(range(part.start, part.start + part.extend_len))
+        # Verified tokens follow the prompt: text, shifted by its images (M-RoPE).
+        positions.extend(range(part.start + part.req.rope_delta, part.start + part.extend_len + part.req.rope_delta))
         rows.extend([part.req.req_pool_idx] * part.extend_len)
     slots = [slot for part in parts for slot in part.slots]
-    batch, _ = _forward_batch(device, ForwardMode.DECODE, input_ids, positions, slots, rows, positions,
+    batch, _ = _forward_batch(device, ForwardMode.DECODE, input_ids, positions, slots, rows, starts,
                               [1] * len(positions), range(len(positions)))
     return batch
 

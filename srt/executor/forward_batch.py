@@ -37,7 +37,7 @@ class ForwardBatch:
 
     mode: ForwardMode
     input_ids: torch.Tensor  # [T]
-    positions: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T] rotary positions; [3, T] (M-RoPE) when an extend feeds an image's grid
     out_cache_loc: torch.Tensor  # [T] KV slots where the new tokens' K/V go
     req_pool_indices: torch.Tensor  # [B] rows of the req-to-token table
     req_pool_indices_cpu: list[int]

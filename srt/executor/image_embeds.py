@@ -1,20 +1,25 @@
 """A prefill batch's image features, before the language model runs: each image the batch
 overlaps is looked up in the encoder cache by its content hash; the ones missing are encoded
-by the model's vision tower, same-size images in one forward, and kept; the slices the batch
-feeds are then gathered with the rows they replace."""
+by the model's vision tower, and kept; the slices the batch feeds are then gathered with the
+rows they replace. The model says which images share a tower forward (`image_batch_key`: LLaVA
+stacks same-size images, Qwen2.5-VL packs any sizes)."""
 
 from __future__ import annotations
+
+from collections.abc import Hashable
 
 import numpy as np
 import torch
 
+from ..io_struct import ImageInput
 from ..multimodal.encoder_cache import EncoderCache
 from .forward_batch import ImageSlice
 
 
 class ImageEmbedder:
     def __init__(self, model: torch.nn.Module, cache: EncoderCache, device: torch.device, dtype: torch.dtype):
-        self.model = model  # has encode_images(pixels [B, C, H, W]) -> [B, tokens, hidden]
+        # has image_batch_key(image) and encode_images(pixels per image, images) -> [tokens, hidden] per image
+        self.model = model
         self.cache = cache
         self.device = device
         self.dtype = dtype
@@ -37,12 +42,12 @@ class ImageEmbedder:
                 missing[key] = s
             else:
                 found[key] = cached
-        by_shape: dict[tuple[int, ...], list[str]] = {}
+        batches: dict[Hashable, list[str]] = {}
         for key, s in missing.items():
-            by_shape.setdefault(tuple(s.image.shape), []).append(key)
-        for keys in by_shape.values():
-            pixels = torch.stack([_pixels(missing[key]) for key in keys]).to(self.device, self.dtype)
-            encoded = self.model.encode_images(pixels)
+            batches.setdefault(self.model.image_batch_key(s.image), []).append(key)
+        for keys in batches.values():
+            images = [missing[key].image for key in keys]
+            encoded = self.model.encode_images([_pixels(image).to(self.device, self.dtype) for image in images], images)
             self.cache.ran(len(keys))
             for key, one in zip(keys, encoded):
                 found[key] = one
@@ -50,7 +55,6 @@ class ImageEmbedder:
         return found
 
 
-def _pixels(s: ImageSlice) -> torch.Tensor:
-    image = s.image
+def _pixels(image: ImageInput) -> torch.Tensor:
     array = np.frombuffer(image.pixels, dtype=np.dtype(image.dtype)).reshape(image.shape)
     return torch.from_numpy(array.copy())

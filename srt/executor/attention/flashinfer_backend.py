@@ -273,8 +273,9 @@ class FlashInferBackend(FlashInferGraphs, AttentionBackend):
 
     def forward_with_rotary(self, q, k, v, layer_id, positions, rotary, ops):
         """The rotation and the KV store in one Triton launch where they apply (a full-width
-        rotate-half rotary with the Triton ops): one short kernel less per layer."""
-        if (not self.fused_rotary_store or ops.name != "triton" or rotary.rotary_dim
+        rotate-half rotary with the Triton ops): one short kernel less per layer. M-RoPE's three
+        position rows (a prefill over an image) take the rotary's own path."""
+        if (not self.fused_rotary_store or ops.name != "triton" or rotary.rotary_dim or positions.dim() != 1
                 or not self.kv_pool.fuses_rotary(q, k, v)):
             return super().forward_with_rotary(q, k, v, layer_id, positions, rotary, ops)
         self.kv_pool.rotate_and_store(layer_id, self._out_cache_loc, positions, q, k, v, rotary.cos_cache,

@@ -10,6 +10,7 @@ encoder cache (srt/executor/image_embeds.py). Decode steps never see images.
 from __future__ import annotations
 
 import re
+from collections.abc import Hashable, Sequence
 from typing import Any
 
 import torch
@@ -17,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ...configs import LLAVA, ModelConfig, VisionConfig
+from ...io_struct import ImageInput
 from ..attention.base import AttentionBackend
 from ..parallel import TensorParallel
 from .clip import ClipVisionTower
@@ -72,9 +74,14 @@ class LlavaForConditionalGeneration(CausalLM):
             return None  # past the feature layer
         return name
 
-    def encode_images(self, pixels: torch.Tensor) -> torch.Tensor:
-        """Projected features of a batch of same-size images: [B, tokens_per_image, hidden]."""
-        features = self.vision_tower(pixels.to(self.multi_modal_projector.linear_1.weight.dtype))
+    @staticmethod
+    def image_batch_key(image: ImageInput) -> Hashable:
+        """Same-size images stack into one tower forward."""
+        return tuple(image.shape)
+
+    def encode_images(self, pixels: Sequence[torch.Tensor], images: Sequence[ImageInput]) -> torch.Tensor:
+        """Projected features of same-size images ([C, H, W] each): [B, tokens_per_image, hidden]."""
+        features = self.vision_tower(torch.stack(list(pixels)).to(self.multi_modal_projector.linear_1.weight.dtype))
         if not self.config.vision.keep_cls:
             features = features[:, 1:]
         return self.multi_modal_projector(features)

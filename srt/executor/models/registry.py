@@ -7,12 +7,12 @@ each one it reads (tests/test_model_families.py checks that the two agree).
 from __future__ import annotations
 
 from ...configs import ModelConfig
-from . import gemma, llama, llava, mixtral, phi3, qwen3_moe
+from . import gemma, llama, llava, mixtral, phi3, qwen2_5_vl, qwen3_moe
 from .decoder import CausalLM
 
 MODEL_CLASSES: dict[str, type[CausalLM]] = {
     **llama.MODELS, **gemma.MODELS, **phi3.MODELS, **mixtral.MODELS, **qwen3_moe.MODELS,
-    **llava.MODELS,
+    **llava.MODELS, **qwen2_5_vl.MODELS,
 }
 
 
