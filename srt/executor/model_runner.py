@@ -108,6 +108,13 @@ class ModelRunner:
         layers = layer_specs(cfg.sliding_windows, cfg.num_layers, cfg.attn_logit_softcap,
                              self.args.model.context_length or cfg.context_len)
         cascade = not self.args.executor.disable_cascade_attention
+        if self.deterministic and self.device.type == "cuda":
+            # Triton, capturable: CUDA graphs stay on under the flag.
+            from .attention.deterministic_cuda import TritonDeterministicBackend
+
+            check_backend_supports(TritonDeterministicBackend, layers, cfg.architecture)
+            return TritonDeterministicBackend(self.kv_pool, req_to_token, cfg.attention_scale,
+                                              self.model.config.num_heads, layers)
         if self.deterministic:
             from .attention.deterministic import DeterministicBackend
 

@@ -1,0 +1,114 @@
+"""The attention of --enable-deterministic-inference on CUDA: deterministic_triton.py's kernel for
+every step, decode and extend alike, and decode steps captured in CUDA graphs.
+
+The torch backend (deterministic.py) runs its block products through cuBLAS, which picks its
+kernel (split-K included) from the batch, and its reductions through kernels whose launch
+follows the number of outputs; on a GPU that made a query's bits depend on its companions. The
+kernel here has one configuration for every call, so a query's result depends only on its own
+tokens and keys. A graph replays the same launches over fixed tables (per row: where its query
+and its keys' slots are), so a step replayed and one run eagerly give the same bits.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from ..forward_batch import ForwardBatch
+from ..mem_pool import KVPool
+from . import deterministic_triton as kernel
+from .base import DEFAULT_GRAPH_VARIANT, AttentionBackend
+from .layer_spec import LOGIT_SOFTCAP, SLIDING_WINDOW, LayerAttention
+
+PADDING_SLOT = 0  # cuda_graph_runner.PADDING_SLOT: padding rows' one key
+
+
+class TritonDeterministicBackend(AttentionBackend):
+    SUPPORTED_FEATURES = frozenset({SLIDING_WINDOW, LOGIT_SOFTCAP})
+
+    def __init__(self, kv_pool: KVPool, req_to_token: torch.Tensor, scale: float, num_heads: int,
+                 layers: Sequence[LayerAttention] | None = None):
+        """req_to_token: the host table (ReqToTokenTable.table, viewed as a tensor)."""
+        self.kv_pool = kv_pool
+        self.req_to_token = req_to_token
+        self.scale = scale
+        self.layers = list(layers) if layers is not None else [LayerAttention()] * len(kv_pool.k_buffers)
+        self.device = kv_pool.k_buffers[0].device
+        self.group = num_heads // kv_pool.k_buffers[0].shape[0]
+        self._tables: kernel.Tables | None = None
+        self._out_cache_loc: torch.Tensor | None = None
+        self._graph: _GraphTables | None = None
+
+    def plan(self, batch: ForwardBatch) -> None:
+        host = kernel.host_tables(self.req_to_token, batch.req_pool_indices_cpu, batch.seq_lens_cpu,
+                                  batch.extend_lens_cpu, self.group)
+        self._tables = kernel.load_tables(host, self.device)
+        self._out_cache_loc = batch.out_cache_loc
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int) -> torch.Tensor:
+        pool = self.kv_pool
+        pool.store(layer_id, self._out_cache_loc, k, v)
+        return kernel.attend(q, pool.k_buffers[layer_id], pool.v_buffers[layer_id], self._tables,
+                             self.scale, self.layers[layer_id], pool.k_scale, pool.v_scale)
+
+    # ---- CUDA graphs: decode rows in fixed tables ------------------------------------------
+
+    @property
+    def supports_cuda_graph(self) -> bool:
+        return True
+
+    def prefers_eager(self, batch: ForwardBatch) -> bool:
+        """A batch whose keys do not fit the graph's slot table runs eagerly (the same kernel)."""
+        return sum(batch.seq_lens_cpu) > self._graph.slots.numel()
+
+    def init_cuda_graph_state(self, max_bs: int, max_pages_per_req: int) -> None:
+        # Room for every request at full context, or for twice the pool (more only where the
+        # radix cache shares slots between requests; prefers_eager runs those eagerly).
+        capacity = min(max_bs * self.req_to_token.shape[1], 2 * self.kv_pool.k_buffers[0].shape[1])
+        self._graph = _GraphTables(max_bs, capacity, self.device)
+
+    def cuda_graph_variants(self, bs: int) -> tuple[str, ...]:
+        return (DEFAULT_GRAPH_VARIANT,)
+
+    def choose_cuda_graph_variant(self, batch: ForwardBatch, bs: int) -> str:
+        return DEFAULT_GRAPH_VARIANT
+
+    def capture_cuda_graph_plan(self, variant: str, bs: int, out_cache_loc: torch.Tensor) -> object:
+        self.replay_cuda_graph_plan(variant, bs, None, bs, out_cache_loc)
+        return bs
+
+    def replay_cuda_graph_plan(self, variant: str, handle: object, batch: ForwardBatch | None, bs: int,
+                               out_cache_loc: torch.Tensor) -> None:
+        rows, seq_lens = (batch.req_pool_indices_cpu, batch.seq_lens_cpu) if batch is not None else ([], [])
+        self._tables = self._graph.plan(self.req_to_token, rows, seq_lens, bs)
+        self._out_cache_loc = out_cache_loc
+
+
+class _GraphTables:
+    """Fixed-address tables for decode graphs of up to max_bs rows: tile i is row i's one token
+    (q row i), so only the keys' offsets and slots change between replays; every bucket shares
+    them (one graph runs at a time). Padding rows see one key, at PADDING_SLOT."""
+
+    def __init__(self, max_bs: int, capacity: int, device: torch.device):
+        arange = torch.arange(max_bs + 1, dtype=torch.int32, device=device)
+        self.q_indptr = arange
+        self.tile_req = arange[:max_bs]
+        self.tile_tok = torch.zeros(max_bs, dtype=torch.int32, device=device)
+        self.kv_indptr = arange.clone()
+        self.slots = torch.zeros(capacity, dtype=torch.int32, device=device)
+
+    def plan(self, req_to_token: torch.Tensor, rows: list[int], seq_lens: list[int], bs: int) -> kernel.Tables:
+        num_pad = bs - len(rows)
+        table = req_to_token.numpy()
+        offsets = torch.zeros(bs + 1, dtype=torch.int32)
+        torch.cumsum(torch.tensor(list(seq_lens) + [1] * num_pad, dtype=torch.int32), 0, out=offsets[1:])
+        slots = [torch.from_numpy(table[row, :n]).to(torch.int32) for row, n in zip(rows, seq_lens)]
+        slots.append(torch.full((num_pad,), PADDING_SLOT, dtype=torch.int32))
+        host = torch.cat([offsets] + slots)
+        if self.slots.is_cuda:
+            host = host.pin_memory()
+        both = host.to(self.slots.device, non_blocking=True)
+        self.kv_indptr[:bs + 1].copy_(both[:bs + 1])
+        self.slots[:host.numel() - bs - 1].copy_(both[bs + 1:])
+        return kernel.Tables(self.q_indptr, self.kv_indptr, self.slots, self.tile_req, self.tile_tok, bs)

@@ -1,0 +1,123 @@
+"""The deterministic Triton attention (CUDA's --enable-deterministic-inference attention) on CPU:
+in Triton's interpreter it matches a float64 reference (causal, GQA, sliding window, soft-cap,
+FP8 pool with scales), and a query row's output has the same bits alone, beside decode
+companions, inside extend tiles after a cached prefix and from the decode graph's tables. The
+interpreter's arithmetic is not the GPU's (test_gpu_deterministic.py checks that); what this
+checks is the masking, the guard for blocks a row does not see, and the tables. It also
+compiles the kernel for Hopper (sm_90) without a GPU. fp16 and float32 only: the interpreter
+multiplies bf16 as raw bits.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import tempfile
+
+import pytest
+import torch
+
+from triton_interpreter import run_in_interpreter
+
+TESTS = os.path.dirname(os.path.abspath(__file__))
+
+REFERENCE_CHECK = f"""
+import sys, torch
+sys.path.insert(0, {TESTS!r})
+from deterministic_attention_checks import FP8, SPECS, Setup, worst_error
+worst = {{}}
+for heads, kv_heads, head_dim, dtype, pool, specs in [
+        (8, 2, 32, torch.half, torch.half, SPECS), (6, 2, 24, torch.half, torch.half, SPECS[3:]),
+        (4, 4, 16, torch.float32, torch.float32, SPECS[:2]), (8, 2, 32, torch.half, FP8, SPECS[::2])]:
+    setup = Setup(heads, kv_heads, head_dim, dtype, pool, max_len=256, scales=(0.5, 1.5))
+    for spec in specs:
+        worst[(str(dtype), str(pool), heads, spec)] = worst_error(setup, spec)
+print(max(worst.values()) if all(v < (1e-5 if k[0] == "torch.float32" else 4e-3) for k, v in worst.items()) else worst)
+"""
+
+INVARIANCE_CHECK = f"""
+import sys, torch
+sys.path.insert(0, {TESTS!r})
+from deterministic_attention_checks import FP8, SPECS, Setup, differing, variants_of_one_row
+bad = {{}}
+for pool in (torch.half, FP8):
+    setup = Setup(8, 2, 32, torch.half, pool, rows=12, max_len=320, scales=(0.5, 1.5))
+    for spec in (SPECS[0], SPECS[3]):
+        found = variants_of_one_row(setup, spec, trials=3, max_companions=6)
+        if differing(found):
+            bad[(str(pool), spec)] = differing(found)
+print(bad or f"ok {{len(found)}}")
+"""
+
+
+def test_kernel_matches_a_float64_reference():
+    """fp16: GQA 4:1 with every spec (the blocks a window starts in, soft-caps, both), a group of
+    3 with head_dim 24 (padded to 32), float32 (IEEE products) and an FP8 pool with its scales."""
+    result = run_in_interpreter(REFERENCE_CHECK)
+    assert float(result) < 4e-3, result
+
+
+def test_a_row_has_the_same_bits_alone_in_batches_in_extend_tiles_and_graph_tables():
+    result = run_in_interpreter(INVARIANCE_CHECK)
+    assert result.startswith("ok"), result
+
+
+def test_backend_plans_graph_tables_with_padding_and_falls_back_when_they_are_full():
+    from deterministic_attention_checks import Setup, decode_batch
+
+    from radixlm.srt.executor.attention.deterministic_cuda import TritonDeterministicBackend
+    from radixlm.srt.executor.mem_pool import KVPool
+
+    setup = Setup(8, 2, 16, torch.half, torch.half, rows=8, max_len=64)
+    pool = KVPool(40, 1, 2, 16, torch.half, "cpu")
+    backend = TritonDeterministicBackend(pool, setup.table, 0.25, 8)
+    assert backend.supports_cuda_graph
+    backend.init_cuda_graph_state(4, 16)
+    assert backend._graph.slots.numel() == 80  # twice the pool: less than 4 requests x 64 tokens
+    loc = torch.zeros(4, dtype=torch.int64)
+    handle = backend.capture_cuda_graph_plan("decode", 4, loc)
+    assert backend._tables.kv_indptr[:5].tolist() == [0, 1, 2, 3, 4]  # all padding: one key each
+    batch = decode_batch([2, 5], [10, 30])
+    backend.replay_cuda_graph_plan("decode", handle, batch, 4, loc)
+    tables = backend._tables
+    assert tables.num_tiles == 4 and tables.kv_indptr[:5].tolist() == [0, 10, 40, 41, 42]
+    assert tables.slots[:40].tolist() == setup.table[2, :10].tolist() + setup.table[5, :30].tolist()
+    assert tables.slots[40:42].tolist() == [0, 0]  # the padding rows' key, on the padding page
+    assert not backend.prefers_eager(batch)
+    assert backend.prefers_eager(decode_batch([1, 2], [50, 40]))
+
+
+def test_kernel_compiles_for_hopper_without_spilling():
+    triton = pytest.importorskip("triton")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from radixlm.srt.executor.attention import deterministic_triton as kernel
+
+    params = kernel._attend_kernel.params
+    for q_type, kv_type, softcap, window in (("*bf16", "*bf16", False, False), ("*bf16", "*fp8e4nv", True, True)):
+        pointers = {"q_ptr": q_type, "out_ptr": q_type, "k_ptr": kv_type, "v_ptr": kv_type}
+        signature = {p.name: "constexpr" if p.is_constexpr else pointers.get(p.name, "*i32") if p.name.endswith("_ptr")
+                     else "fp32" if p.name in ("qk_scale", "v_scale", "softcap") else "i32" for p in params}
+        hints = {(i,): [["tt.divisibility", 16]] for i, p in enumerate(params)
+                 if not p.is_constexpr and (p.name.endswith("_ptr") or p.name.startswith("stride"))}
+        constexprs = dict(GROUP=4, HEADS_PER_TILE=4, CHUNKS=1, HEAD_DIM=128, BLOCK_D=128, BLOCK_M=kernel.BLOCK_M,
+                          KEY_BLOCK=kernel.KEY_BLOCK, SOFTCAP=softcap, WINDOW=window, PRECISION="tf32")
+        compiled = triton.compile(ASTSource(kernel._attend_kernel, signature, constexprs, hints),
+                                  target=GPUTarget("cuda", 90, 32),
+                                  options={"num_warps": kernel.num_warps(128), "num_stages": kernel.NUM_STAGES})
+        assert compiled.asm["cubin"]
+        assert "wgmma" in compiled.asm["ptx"]  # Hopper's tensor-core products
+        assert " 0 bytes spill stores" in _ptxas_report(compiled.asm["ptx"])
+
+
+def _ptxas_report(ptx: str) -> str:
+    """ptxas -v's register and spill lines for the PTX, by the ptxas Triton compiles with."""
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx") as source:
+        source.write(ptx)
+        source.flush()
+        done = subprocess.run([get_ptxas(90).path, "-v", "-arch=sm_90a", source.name, "-o", os.devnull],
+                              capture_output=True, text=True, check=True)
+    return done.stderr
