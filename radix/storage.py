@@ -43,13 +43,15 @@ SUFFIX = ".kv"
 TEMP_SUFFIX = ".tmp"
 _KEY = re.compile(r"[0-9a-f]{64}")
 _FANOUT = re.compile(r"[0-9a-f]{2}")
-# Queued payloads are copies held in memory: bound them by bytes, not by count, since a block
-# can be megabytes. At least one block always fits.
-MAX_PENDING_BYTES = 256 << 20
+# Queued payloads are held in memory: bound them by bytes, not by count, since a block can be
+# megabytes (8 MB for 64 tokens of an 8B model). Big enough for a 16k-token prompt of such a
+# model saved at once (2 GB); beyond it a put is dropped. At least one block always fits.
+MAX_PENDING_BYTES = 4 << 30
 # A temporary file this old was left by a writer that died (a live one renames within seconds).
 STALE_TEMP_S = 3600.0
-# Blocks read at once by get_many_into: reading and checking a block (blake2b) each hold a core.
-READ_THREADS = 8
+# Blocks read at once by get_many_into: reading and checking a block keep a core busy (both
+# release the GIL) or wait on the disk, so one thread per core, at least 8 and at most 16.
+READ_THREADS = max(8, min(16, os.cpu_count() or 8))
 # Eviction goes below the bound by this fraction, so a full tier rescans once per batch of
 # writes rather than once per write.
 EVICT_LOW_WATER = 0.9
@@ -243,9 +245,10 @@ class KVStorage:
 
     # ---- writes ----
 
-    def put(self, key: str, payload: bytes | memoryview) -> None:
-        """Queue `payload` (copied now) to be written under `key`; returns at once. Nothing
-        happens if the key exists or is queued, or writes are off; a full queue drops it."""
+    def put(self, key: str, payload: bytes | memoryview, owned: bool = False) -> None:
+        """Queue `payload` to be written under `key`; returns at once. It is copied now unless
+        `owned` (the caller hands it over and never changes it: no copy of a large save).
+        Nothing happens if the key exists or is queued, or writes are off; a full queue drops it."""
         path = self._path(key)
         size = memoryview(payload).nbytes
         if size != self.block_bytes:
@@ -255,7 +258,7 @@ class KVStorage:
                 return
         if path.exists():
             return
-        data = bytes(payload)  # the caller may reuse its buffer once we return
+        data = payload if owned else bytes(payload)  # else the caller may reuse its buffer
         with self._lock:
             if key in self._pending:
                 return

@@ -94,15 +94,15 @@ class DeviceEngine:
         self.host_kv.run(moves)
 
     @torch.inference_mode()
-    def read_kv_tokens(self, slots: list[int]) -> bytes:
+    def read_kv_tokens(self, slots: list[int]) -> memoryview:
         return self.host_kv.read_tokens(slots)
 
     def kv_staging(self, nbytes: int) -> memoryview:
         return self.host_kv.staging(nbytes)
 
     @torch.inference_mode()
-    def upload_kv_tokens(self, slots: list[int], offset: int) -> None:
-        self.host_kv.upload_tokens(slots, offset)
+    def upload_kv_tokens(self, slots: list[int], offset: int, source: memoryview | None = None) -> None:
+        self.host_kv.upload_tokens(slots, offset, source)
 
     def close_host_kv(self) -> None:
         self.host_kv.close()

@@ -218,9 +218,9 @@ class HostKVPool:
             self.gather_layer(layer, idx, out[:, layer])
         return out
 
-    def read_tokens(self, device_slots: list[int]) -> bytes:
-        """The KV of `device_slots` as bytes (token-major), waiting for the device."""
-        return self._gather(device_slots).cpu().view(torch.uint8).numpy().tobytes()
+    def read_tokens(self, device_slots: list[int]) -> memoryview:
+        """The KV of `device_slots` (token-major) in a fresh host buffer, waiting for the device."""
+        return memoryview(self._gather(device_slots).cpu().view(torch.uint8).numpy().reshape(-1))
 
     def staging(self, nbytes: int) -> memoryview:
         """A host buffer (pinned on CUDA) for disk blocks on their way to the device, at least
@@ -236,12 +236,15 @@ class HostKVPool:
             self._staging = self._staging_segments.get(0)
         return memoryview(self._staging.numpy())[:nbytes]
 
-    def upload_tokens(self, device_slots: list[int], offset: int) -> None:
-        """Writes the staging buffer's token-major KV, from byte `offset` on, into `device_slots`."""
+    def upload_tokens(self, device_slots: list[int], offset: int, source: memoryview | None = None) -> None:
+        """Writes token-major KV, from byte `offset` on, into `device_slots`: from the staging
+        buffer, or from `source` (a prefetch's pageable buffer: copying it to the staging
+        buffer first cost more than the slower copy from pageable memory)."""
         n = len(device_slots)
-        data = self._staging[offset:offset + n * self.bytes_per_token]
+        end = offset + n * self.bytes_per_token
+        data = self._staging[offset:end] if source is None else torch.frombuffer(source[offset:end], dtype=torch.uint8)
         data = data.view(self.dtype).view(n, self.num_layers, *self.layer_shape).to(self.device, non_blocking=True)
-        if self.cuda:
+        if self.cuda and source is None:  # a pageable copy has left `source` when .to() returns
             self._staging_done = torch.cuda.Event()
             self._staging_done.record()
         self._after_loads()

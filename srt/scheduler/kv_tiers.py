@@ -107,19 +107,18 @@ class CacheTiers:
         slots: list[int] = []
         while i < len(keys):
             batch = keys[i:i + per_round]
-            staging = self.engine.kv_staging(len(batch) * block_bytes)
-            if prefetched is None:
-                found = self.storage.get_many_into(batch, staging)
-            else:
-                data, ready = prefetched
+            if prefetched is None:  # read into the engine's (pinned) staging buffer
+                source, offset = None, 0
+                found = self.storage.get_many_into(batch, self.engine.kv_staging(len(batch) * block_bytes))
+            else:  # uploaded from the prefetch's buffer as it is
+                source, ready = prefetched
                 found = max(0, min(len(batch), ready - (i - first)))
                 offset = (i - first) * block_bytes
-                staging[:found * block_bytes] = data[offset:offset + found * block_bytes]
             new = self._alloc(found * b - skip) if found else None
             if new is None:
                 break
             self.flush_moves()  # eviction's copies read slots this write may reuse
-            self.engine.upload_kv_tokens(new, skip * self.bytes_per_token)
+            self.engine.upload_kv_tokens(new, offset + skip * self.bytes_per_token, source)
             slots += new
             i, skip = i + found, 0
             if found < len(batch):
@@ -162,8 +161,8 @@ class CacheTiers:
             return
         data = self.engine.read_kv_tokens([s for i in missing for s in slots[i * b:(i + 1) * b]])
         size = b * self.bytes_per_token
-        for n, i in enumerate(missing):
-            self.storage.put(keys[i], memoryview(data)[n * size:(n + 1) * size])
+        for n, i in enumerate(missing):  # slices of a fresh buffer nobody else holds: no copies
+            self.storage.put(keys[i], data[n * size:(n + 1) * size], owned=True)
         self.stats["storage_saved_tokens"] += len(missing) * b
 
     def close(self) -> None:
