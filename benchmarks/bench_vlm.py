@@ -10,7 +10,6 @@ GPU (--arch llava | qwen2.5-vl): a 7B shape with dummy weights (benchmarks/vlm_m
 500 requests of one 448x448 image, ~128 text tokens, 128 tokens out (greedy, ignore_eos):
 500 distinct images, then the same 500 questions about 20 distinct images (image cache hits);
 and a subset (8 requests) against HF transformers' generate on the same model and inputs.
-`--arch qwen2.5-vl` needs its model class registered (until then, LLaVA's shape stands in).
 
     python -m benchmarks.bench_vlm --out benchmarks/results/cpu_vlm.jsonl       # CPU
     python -m benchmarks.bench_vlm --arch llava --out /root/out/gpu_vlm.jsonl   # GPU
@@ -268,7 +267,11 @@ def gpu_main(args: argparse.Namespace, report: Reporter) -> None:
         model_dir = Path(tmp)
         tokenizer = load_tokenizer(args.tokenizer_path)
         shape.write(model_dir, tokenizer)
-        tokens_per_image = ModelConfig.from_hf(tf.AutoConfig.from_pretrained(model_dir)).vision.tokens_per_image
+        vision = ModelConfig.from_hf(tf.AutoConfig.from_pretrained(model_dir)).vision
+        tokens_per_image = getattr(vision, "tokens_per_image", None)
+        if tokens_per_image is None:  # Qwen2.5-VL: by the image's size, one token per merged patch square
+            side = vision.patch_size * vision.spatial_merge_size
+            tokens_per_image = (args.image_px // side) ** 2
         texts = questions(tokenizer, n, args.text_len, seed=0)
 
         def workload(images: list[str], count: int = n) -> Workload:
