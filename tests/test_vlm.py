@@ -395,6 +395,7 @@ def test_tensor_parallelism_is_refused_for_a_vlm(tokenizer, tmp_path: Path) -> N
 @pytest.mark.parametrize(("settings", "message"), [
     ({"enable_lora": True, "max_lora_rank": 8}, "enable_lora: LoRA on LlavaForConditionalGeneration"),
     ({"enable_deterministic_inference": True}, "enable_deterministic_inference: with LlavaForConditionalGeneration"),
+    ({"quantization": "fp8"}, "quantization: fp8 with LlavaForConditionalGeneration"),
 ])
 def test_options_a_vlm_does_not_run_with_are_refused_by_name(settings: dict, message: str, tokenizer,
                                                              tmp_path: Path) -> None:

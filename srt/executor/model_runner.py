@@ -203,6 +203,9 @@ def check_vision_settings(args: ServerArgs, config: ModelConfig) -> None:
     if args.executor.enable_deterministic_inference:
         raise ValueError(f"enable_deterministic_inference: with {config.architecture} (a vision-language model) is "
                          "not implemented yet (the vision tower is not batch-invariant)")
+    if args.model.quantization is not None:  # it would also quantize the vision tower, untested
+        raise ValueError(f"quantization: {args.model.quantization} with {config.architecture} (a vision-language "
+                         "model) is not implemented")
     if args.speculative.speculative_algorithm == "draft":
         raise ValueError(f"speculative_algorithm: a draft model beside {config.architecture} (a vision-language "
                          "model) is not implemented; ngram and suffix speculation are")
