@@ -405,18 +405,3 @@ class RadixCache:
             fail("evictable leaf set out of date")
         if evictable + protected > self.capacity:
             fail(f"{evictable + protected} tokens cached, capacity {self.capacity}")
-
-    def pretty_print(self, max_tokens: int = 8) -> str:
-        """The tree as indented text (one line per node), for debugging."""
-        lines: list[str] = []
-        for ns, root in self._roots.items():
-            lines.append(f"namespace {ns!r}:")
-            stack = [(child, 1) for child in reversed(root.children.values())]
-            while stack:  # iterative: long conversations make deep trees
-                node, depth = stack.pop()
-                head = " ".join(map(str, node.key[:max_tokens]))
-                more = " ..." if len(node.key) > max_tokens else ""
-                lines.append(f"{'  ' * depth}[{head}{more}] len={len(node.key)} "
-                             f"lock={node.lock_ref} t={node.last_access}")
-                stack.extend((child, depth + 1) for child in reversed(node.children.values()))
-        return "\n".join(lines)

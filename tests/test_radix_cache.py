@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from radixlm.radix import MatchResult, RadixCache, TreeNode, common_prefix_len
+from radixlm.radix.debug import format_tree
 
 
 class FakePool:
@@ -121,7 +122,7 @@ def test_namespaces_are_isolated() -> None:
     assert cache.match_prefix([1, 2, 3], namespace="lora-a").matched_len == 3
     assert insert_fresh(cache, pool, [1, 2, 3]) == 0
     assert cache.evict(100) == 6 and cache.total_size == 0
-    assert "lora-a" not in cache.pretty_print()  # emptied namespaces are dropped
+    assert "lora-a" not in format_tree(cache)  # emptied namespaces are dropped
     check_accounting(cache, pool)
 
 
@@ -234,7 +235,7 @@ def test_bad_arguments_raise_named_errors() -> None:
     cache, _ = make_cache()
     with pytest.raises(ValueError, match="slot_indices"):
         cache.insert([1, 2], [0])
-    assert "namespace None" in cache.pretty_print()
+    assert "namespace None" in format_tree(cache)
 
 
 @given(st.lists(st.integers(0, 2), max_size=300), st.lists(st.integers(0, 1), max_size=200),

@@ -10,7 +10,7 @@ from typing import Callable
 from ..constrained.backend import valid_draft_len
 from ..core.request import Req
 from ..core.step import ExtendPlan, StepPlan
-from ..server_args import SpeculativeSettings
+from ..feature_settings import SpeculativeSettings
 from .draft_pacing import DraftPacing
 from .lockstep import needs_host_tokens
 from .ngram import TokenHistory, propose_ngram

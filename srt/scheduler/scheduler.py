@@ -28,8 +28,9 @@ from ...radix import RadixCache
 from ...radix.tiered import TieredRadixCache
 from ..core.request import FinishReason, Req
 from ..core.step import PendingStep, StepEngine, StepPlan
-from ..server_args import SESSION_TOTAL_SHARE, ServerArgs
+from ..feature_settings import SESSION_TOTAL_SHARE
 from ..lora.registry import SchedulerAdapters
+from ..server_args import ServerArgs
 from .constraints import ConstrainedDecoding
 from .decode import DecodeManager
 from .finish import check_finished
