@@ -11,6 +11,7 @@ routes only format what it hands out.
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
@@ -148,7 +149,7 @@ class ChatChoices:
                 choice.wholes.setdefault(phase, ResultBuilder()).add(chunk)
             final = chunk["meta_info"]["finish_reason"] is not None
             if final and phase == REASONING:
-                final = not self._answer_after_reasoning(index, choice)
+                final = not await self._answer_after_reasoning(index, choice)
             yield self._event(index, choice, phase, chunk, final)
 
     async def run_to_end(self) -> list[dict[str, Any]]:
@@ -180,7 +181,7 @@ class ChatChoices:
         return usage(firsts[0]["prompt_tokens"] if firsts else 0, completion,
                      min((m["cached_tokens"] for m in firsts), default=0))
 
-    def _answer_after_reasoning(self, index: int, choice: _Choice) -> bool:
+    async def _answer_after_reasoning(self, index: int, choice: _Choice) -> bool:
         """Starts the answer phase of a choice whose reasoning closed with tokens left; False
         when the choice ended while reasoning (there is no answer to constrain)."""
         first = choice.wholes[REASONING]
@@ -188,14 +189,20 @@ class ChatChoices:
         left = self.run.max_new - first.meta["completion_tokens"]
         if reason.get("type") != "stop" or reason.get("matched") != CLOSE or left <= 0:
             return False
-        run = self.run
-        ids = tokenize(self._tm, after_reasoning(run.turn, first.text), run.renames)
-        ids, records = _with_images(self._tm, ids, run.images, run.renames)
-        [msg] = _samples(self._tm, run.body, run.renames, ids, left, run.turn.json_schema, seed_offset=index,
-                         images=records)
+        # Tokenizing (and a VLM's image processing) runs off the event loop, as prepare_chat does.
+        msg = await asyncio.to_thread(self._answer_request, index, first.text, left)
         self.runner.follow(index, msg)
         choice.phase = ANSWER
         return True
+
+    def _answer_request(self, index: int, reasoning: str, left: int) -> TokenizedGenerateReq:
+        """The answer phase's request: the prompt extended by the reasoning, constrained."""
+        run = self.run
+        ids = tokenize(self._tm, after_reasoning(run.turn, reasoning), run.renames)
+        ids, records = _with_images(self._tm, ids, run.images, run.renames)
+        [msg] = _samples(self._tm, run.body, run.renames, ids, left, run.turn.json_schema, seed_offset=index,
+                         images=records)
+        return msg
 
     def _event(self, index: int, choice: _Choice, phase: str, chunk: dict[str, Any], final: bool) -> ChoiceEvent:
         stream = choice.stream
