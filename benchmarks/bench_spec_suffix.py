@@ -108,7 +108,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--max-new-tokens", type=int, default=64)
-    parser.add_argument("--draft-tokens", type=int, default=8)
+    parser.add_argument("--draft-tokens", type=int, default=16, help="both algorithms' draft budget per step")
     parser.add_argument("--gpu", action="store_true", help="the real default model (--gguf) at batch 1 and 16")
     parser.add_argument("--gguf", default=None)
     parser.add_argument("--batch-sizes", default=None, help="default: 1 (CPU), 1,16 (--gpu)")

@@ -22,12 +22,13 @@ class SpeculativeSettings(Section):
     speculative_ngram_max_match_window_size: int = setting(4, "ngram: longest suffix matched against earlier "
                                                               "tokens", min=1)
     speculative_ngram_min_match_window_size: int = setting(1, "ngram: shortest suffix matched", min=1)
-    # Suffix speculation (srt/scheduler/suffix.py); vLLM's suffix_decoding_* names and defaults.
+    # Suffix speculation (srt/scheduler/suffix.py); vLLM's suffix_decoding_* names and defaults, but
+    # for the spec factor (vLLM: 1.0): a verify step costs about the same for 4 or 16 drafts.
     speculative_suffix_max_tokens: int = setting(1 << 16, "suffix: tokens of finished requests kept to draft from "
                                                           "(outputs, each after its prompt's last tree-depth tokens), "
                                                           "over all cache namespaces; the oldest go first", min=1)
     speculative_suffix_max_tree_depth: int = setting(24, "suffix: longest context matched", min=1)
-    speculative_suffix_max_spec_factor: float = setting(1.0, "suffix: draft at most this many tokens per token of "
+    speculative_suffix_max_spec_factor: float = setting(8.0, "suffix: draft at most this many tokens per token of "
                                                              "matched context", above=0.0)
     speculative_suffix_min_token_prob: float = setting(0.1, "suffix: stop a draft where its estimated probability "
                                                             "falls below this", min=0.0, max=1.0)

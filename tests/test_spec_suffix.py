@@ -32,20 +32,27 @@ def test_the_most_frequent_continuation_of_the_longest_match_is_drafted():
     assert store.propose("ns", ids(8, 2, 3), 8) == [4, 5]
     # The longer match "9 2 3" occurred once: its own continuation, not the majority's.
     assert store.propose("ns", ids(9, 2, 3), 8) == [4, 7]
-    # The request's own tokens count too: "2 3" is followed by 4 three times in the store and by 6
-    # once in the request; with one stored occurrence, the tie goes to the newest (the request's).
-    assert store.propose("ns", ids(2, 3, 6, 0, 2, 3), 8) == [4, 5]
+    # The request's own tokens are a second tree: each drafts, and the draft with more expected
+    # accepted tokens wins: its own "2 3" -> 6 0 2 3 (seen once: 1 + 1 + 1 + 1) beats the
+    # store's 4 5 (1 + 2/3).
+    assert store.propose("ns", ids(2, 3, 6, 0, 2, 3), 8) == [6, 0, 2, 3]
     # An output is kept after its prompt's tail: a request whose prompt ends alike drafts it at once.
     store.add("ns", [7, 8, 9], prompt=[40, 41, 42])
     assert store.propose("ns", ids(0, 41, 42), 8) == [7, 8, 9]
-    single = SuffixStore(1000, max_spec_factor=4.0)
-    single.add("ns", [2, 3, 4])
-    assert single.propose("ns", ids(2, 3, 6, 0, 2, 3), 8) == [6, 0, 2, 3]
     assert store.propose("ns", ids(6, 77), 8) == []  # never seen
 
 
+def test_on_equal_scores_the_longer_match_drafts():
+    store = SuffixStore(1000)
+    store.add("ns", [1, 2, 3, 4, 5, 6, 7])
+    # Own tokens: "3 4" -> 5 9 2; the store: "2 3 4" -> 5 6 7; both 3 tokens seen once each.
+    assert store.propose("ns", ids(3, 4, 5, 9, 2, 3, 4), 3) == [5, 6, 7]
+    store.add("ns", [0, 2, 3, 4, 8, 8, 8])  # now the store's 5 6 7 has probability 1/2 each step
+    assert store.propose("ns", ids(3, 4, 5, 9, 2, 3, 4), 3) == [5, 9, 2]
+
+
 def test_draft_length_follows_the_match_length_and_the_probability():
-    store = SuffixStore(1000)  # at most 1 draft per matched token, until the probability drops below 0.1
+    store = SuffixStore(1000, max_spec_factor=1.0)  # 1 draft per matched token, while the probability >= 0.1
     store.add("ns", list(range(10, 30)))
     assert store.propose("ns", ids(5, 11), 8) == [12]
     assert store.propose("ns", ids(10, 11, 12), 8) == [13, 14, 15]
@@ -87,7 +94,7 @@ def test_longest_match_equals_its_definition_on_random_sequences():
 
 
 def test_memory_stays_bounded_and_the_oldest_outputs_go_first():
-    store = SuffixStore(100)
+    store = SuffixStore(100, max_spec_factor=1.0)
     for i in range(50):
         store.add(("salt", i % 3), [1000 + i] * 5 + [7, 8, 9])
         assert store.tokens <= 100

@@ -11,7 +11,11 @@ newest token, one earlier token at a time (or all remaining ones in one gather o
 candidates are left). Those positions are the suffix tree's node at the match; the draft walks
 down from it, each step taking the most frequent next token (ties: the most recent) while the
 product of the chosen tokens' frequencies stays at least `min_token_prob`, and for at most
-`max_spec_factor` x the match length tokens: longer matches earn longer drafts.
+`max_spec_factor` x the match length tokens: longer matches earn longer drafts. As in
+SuffixDecoding, the request's own tokens and the stored outputs are two trees, each drafts,
+and the draft with more expected accepted tokens (the sum of its prefixes' probabilities) wins:
+merging them let a longer match on a shared template (another trip's tool call) outvote the
+request's own text, which a copying reply follows (docs/speculative.md has the figures).
 
 Memory: the store keeps at most `max_tokens` tokens over all namespaces (each output after the
 last `max_depth` tokens of its prompt; 4 bytes a token, plus a separator per output); adding
@@ -59,16 +63,23 @@ def longest_match(buf: np.ndarray, stop: int, tail: np.ndarray, max_depth: int) 
     return pos, depth if pos.size else 0
 
 
-def walk(sources: list[tuple[np.ndarray, np.ndarray]], num_drafts: int, min_token_prob: float) -> list[int]:
-    """The draft continuing positions `(buf, positions)` of each source: the most frequent next
-    token each step (ties: the newest occurrence, sources in order oldest first), while the
-    estimated probability of the whole draft stays >= min_token_prob. An output's end (-1)
-    counts against a token's frequency; the end of the request's own tokens does not (unknown)."""
+def walk(buf: np.ndarray, positions: np.ndarray, num_drafts: int, min_token_prob: float) -> tuple[list[int], float]:
+    """(draft, score): the draft continuing `positions` of `buf`, the most frequent next token
+    each step (ties: the newest occurrence), while the estimated probability of the whole draft
+    stays >= min_token_prob; the score sums those probabilities, the draft's expected accepted
+    length. An output's end (-1) counts against a token's frequency; the end of the request's
+    own tokens does not (unknown)."""
     draft: list[int] = []
-    prob = 1.0
-    for _ in range(num_drafts):
-        sources = [(buf, pos[pos < buf.shape[0]]) for buf, pos in sources]
-        following = np.concatenate([buf[pos] for buf, pos in sources])
+    prob, score = 1.0, 0.0
+    while len(draft) < num_drafts:
+        positions = positions[positions < buf.shape[0]]
+        if positions.size == 1:  # one occurrence left: the rest is what followed it, up to its end
+            rest = buf[positions[0]:positions[0] + num_drafts - len(draft)]
+            ends = np.flatnonzero(rest == _SEP)
+            rest = rest[:ends[0]] if ends.size else rest
+            draft += rest.tolist()
+            return draft, score + prob * rest.size
+        following = buf[positions]
         tokens = following[following != _SEP]
         if not tokens.size:
             break
@@ -77,16 +88,17 @@ def walk(sources: list[tuple[np.ndarray, np.ndarray]], num_drafts: int, min_toke
         prob *= best / following.size
         if prob < min_token_prob:
             break
+        score += prob
         token = int(tokens[np.flatnonzero(counts[inverse] == best)[-1]])
         draft.append(token)
-        sources = [(buf, pos[buf[pos] == token] + 1) for buf, pos in sources]
-    return draft
+        positions = positions[following == token] + 1
+    return draft, score
 
 
 class SuffixStore:
     """Recent finished outputs per namespace, and the drafts they suggest (module doc)."""
 
-    def __init__(self, max_tokens: int, max_depth: int = 24, max_spec_factor: float = 1.0,
+    def __init__(self, max_tokens: int, max_depth: int = 24, max_spec_factor: float = 8.0,
                  min_token_prob: float = 0.1):
         self.max_tokens = max_tokens
         self.max_depth = max_depth
@@ -126,20 +138,22 @@ class SuffixStore:
 
     def propose(self, namespace: Hashable, tokens: np.ndarray, num_drafts: int) -> list[int]:
         """Up to `num_drafts` tokens continuing `tokens` (the request's prompt and output): the
-        longest suffix match over its own earlier tokens and its namespace's outputs (both
-        counted where they tie for longest), walked by frequency. [] when nothing matches."""
+        longest suffix match over its own earlier tokens and the one over its namespace's
+        outputs are each walked by frequency, and the draft with the higher score (expected
+        accepted length) wins, the longer match on a tie. [] when nothing matches."""
         n = tokens.shape[0]
         if num_drafts <= 0 or n < 2:
             return []
         tail = tokens[max(0, n - self.max_depth):]
-        own, own_len = longest_match(tokens, n, tail, self.max_depth)
-        sources = [(tokens, own, own_len)]
+        sources = [(tokens, *longest_match(tokens, n, tail, self.max_depth))]
         text = self._texts.get(namespace)
         if text is not None:
-            sources.insert(0, (text, *longest_match(text, text.shape[0], tail, self.max_depth)))
-        length = max(found for _, _, found in sources)
-        if length == 0:
-            return []
-        chosen = [(buf, pos[-MAX_CANDIDATES:]) for buf, pos, found in sources if found == length]
-        limit = min(num_drafts, int(self.max_spec_factor * length))
-        return walk(chosen, limit, self.min_token_prob)
+            sources.append((text, *longest_match(text, text.shape[0], tail, self.max_depth)))
+        best, best_key = [], (0.0, 0)
+        for buf, pos, length in sources:
+            if length:
+                limit = min(num_drafts, int(self.max_spec_factor * length))
+                draft, score = walk(buf, pos[-MAX_CANDIDATES:], limit, self.min_token_prob)
+                if (score, length) > best_key:
+                    best, best_key = draft, (score, length)
+        return best
