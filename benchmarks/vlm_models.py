@@ -48,6 +48,8 @@ def build_tiny_llava(path: Path, tokenizer: Any, *, text_type: str = "llama", st
         for name, param in model.named_parameters():
             if "norm" in name:  # the tower's LayerNorms near 1, so that each image's signal reaches the text
                 param.normal_(1.0 if "vision_tower" in name else 0.0, 0.1)
+            elif "language_model" in name and ("q_proj" in name or "k_proj" in name):
+                param.normal_(0.0, 0.3)  # peaked attention: wrong positions change the logprobs
             else:
                 param.normal_(0.0, 0.05 if "embed" in name else 0.1)
         model.model.language_model.norm.weight.normal_(0.0, final_norm)  # spread logprobs (test_model_families)

@@ -3,10 +3,13 @@ own classes (windowed vision tower + merger + a Qwen2 language model with M-RoPE
 model's tokenizer with Qwen's vision tokens): prompt logprobs with one and three images at two
 resolutions, greedy tokens (decode positions shifted by each request's images, several requests
 in one batch), a text-only prompt, chunked prefill and a cached prefix cutting through an
-image, both caches hit by the same image, and what is refused by name."""
+image, both caches hit by the same image, a chat through a real server and the official client,
+and what is refused by name."""
 
 from __future__ import annotations
 
+import base64
+import io
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -15,6 +18,7 @@ import pytest
 import torch
 from PIL import Image
 
+from benchmarks.harness import ServerProcess
 from radixlm.srt import Engine
 
 LOGPROB_TOL = 2e-3
@@ -213,6 +217,36 @@ def test_chunked_prefill_and_a_cached_prefix_cut_through_an_image(checkpoint, to
         assert _worst_text_difference(padded, _hf_logprobs(model, inputs), ids, image_id, start=start) <= LOGPROB_TOL
     finally:
         engine.shutdown()
+
+
+def test_the_openai_client_chats_about_an_image_as_hf_generates(checkpoint, tokenizer) -> None:
+    """A real server on the checkpoint: the official client sends a data-URL image between two
+    text parts; the prompt is the chat template's rendering with the image's tokens in place
+    (counted in usage), and the reply is HF's greedy continuation of it."""
+    from openai import OpenAI
+
+    model, path = checkpoint
+    image = _image(SIZES[1], 31)
+    buffer = io.BytesIO()
+    image.save(buffer, "PNG")
+    url = "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+    content = [{"type": "text", "text": "Look at"}, {"type": "image_url", "image_url": {"url": url}},
+               {"type": "text", "text": " and say what you see."}]
+    srv = ServerProcess("--model-path", str(path), "--max-total-tokens", "4096")
+    try:
+        client = OpenAI(base_url=f"{srv.base_url}/v1", api_key="none")
+        reply = client.chat.completions.create(model="qwen", messages=[{"role": "user", "content": content}],
+                                               max_tokens=8, temperature=0, extra_body={"ignore_eos": True})
+    finally:
+        srv.stop()
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": f"Look at{IMAGE} and say what you see."}],
+                                           tokenize=False, add_generation_prompt=True)
+    inputs = _hf_inputs(model, tokenizer, path, prompt, [image])
+    expected = _hf_greedy(model, inputs)
+    assert len(set(expected)) > 2, f"degenerate reference output {expected}"
+    assert reply.usage.prompt_tokens == inputs["input_ids"].shape[1]  # 20 image tokens among them
+    assert reply.usage.completion_tokens == 8
+    assert reply.choices[0].message.content == tokenizer.decode(expected, skip_special_tokens=True)
 
 
 def test_an_image_stands_for_qwens_vision_tokens_in_text(engine) -> None:

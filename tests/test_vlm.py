@@ -74,9 +74,10 @@ def _hf_inputs(model, tokenizer, path: Path, prompt: str, images: list[Image.Ima
     return ids, pixels
 
 
-def _hf_logprobs(model, ids: list[int], pixels: torch.Tensor) -> torch.Tensor:
+def _hf_logprobs(model, ids: list[int], pixels: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
     with torch.no_grad():
-        logits = model(input_ids=torch.tensor([ids]), pixel_values=pixels).logits[0].float()
+        logits = model(input_ids=torch.tensor([ids]), pixel_values=pixels,
+                       position_ids=None if positions is None else positions[None]).logits[0].float()
     return torch.log_softmax(logits, dim=-1)[torch.arange(len(ids) - 1), torch.tensor(ids[1:])]
 
 
@@ -120,9 +121,13 @@ def test_llava_matches_hf(kind: str, tokenizer, tmp_path: Path) -> None:
                 ours = out["meta_info"]["input_token_logprobs"]
                 ref = _hf_logprobs(model, ids, pixels)
                 worst = max(worst, _worst_text_difference(ours, ref, ids, image_id))
-                # Not vacuous: another image changes HF's logprobs of the text after it.
+                # Not vacuous: another image, or positions counting each image as one token,
+                # change HF's logprobs of the text after it.
                 other = _hf_inputs(model, tokenizer, tmp_path, prompt, [_image(size, 99)] + images[1:])[1]
                 assert (_hf_logprobs(model, ids, other) - ref).abs().max().item() > 10 * LOGPROB_TOL
+                steps = [int(not (t == image_id and ids[i - 1] == image_id)) for i, t in enumerate(ids)]
+                one_each = torch.tensor(steps).cumsum(0) - 1
+                assert (_hf_logprobs(model, ids, pixels, one_each) - ref).abs().max().item() > 10 * LOGPROB_TOL
         print(f"{kind}: max |logprob difference| against HF {worst:.2e}")
         assert worst <= LOGPROB_TOL
 
