@@ -4,9 +4,14 @@ them): microseconds per layer, 32 layers with their own KV replayed from one CUD
 decode step runs them. The baseline is FlashInfer's tensor-core decode (split-KV as FlashInfer
 plans it), measured in the same run; `triton` is the engine's own decode kernel
 (srt/executor/attention/triton_decode.py) with the tiles and split count the engine picks, and
---triton-sweep times other tiles and split counts (to choose the engine's).
+--triton-sweep times other tiles and split counts (to choose the engine's). `deterministic` and
+`deterministic_sequential` are --enable-deterministic-inference's attention
+(deterministic_triton.py, pages of 1 only): split into segment programs where its backend would
+split the step, and with every request walked by one program (how it ran before the split).
 
     python -m benchmarks.bench_gpu_decode_attention --out benchmarks/results/gpu_h200.jsonl
+    python -m benchmarks.bench_gpu_decode_attention --variants tensor_cores,deterministic,deterministic_sequential \
+        --kv-lens 1024,4096 --batch-sizes 1,8,64
 """
 
 from __future__ import annotations
@@ -34,7 +39,7 @@ class Case:
         from radixlm.srt.executor.attention.paged_kv import as_pages
 
         device = torch.device("cuda")
-        self.batch, self.page_size, self.kv_dtype = batch, page_size, kv_dtype
+        self.batch, self.kv_len, self.page_size, self.kv_dtype = batch, kv_len, page_size, kv_dtype
         pages_per_req = -(-kv_len // page_size)
         pages = batch * pages_per_req
         self.q = torch.randn(batch, HEADS, HEAD_DIM, device=device, dtype=torch.bfloat16)
@@ -55,6 +60,23 @@ class Case:
             for k, v in self.pools:
                 paged_decode(self.q, k, v, self.indptr, self.indices, self.last, self.page_size, HEAD_DIM ** -0.5,
                              splits=splits, tiles=tiles)
+
+        return graph_replay_us(step) / LAYERS
+
+    def deterministic_us(self, split: bool) -> float:
+        from radixlm.srt.executor.attention import deterministic_triton as det
+
+        if self.page_size != 1:
+            raise ValueError("the deterministic attention reads pages of 1")
+        rows = torch.arange(self.batch + 1, dtype=torch.int32, device=self.q.device)
+        tables = det.Tables(rows, rows * self.kv_len, self.indices, rows[:-1], torch.zeros_like(rows[:-1]), self.batch)
+        if split:
+            tables = det.split_if_worth_it(tables, HEADS, KV_HEADS, HEAD_DIM, self.kv_len)
+        out = self.q.new_empty(self.batch, HEADS * HEAD_DIM)
+
+        def step():
+            for k, v in self.pools:
+                det.attend(self.q, k, v, tables, HEAD_DIM ** -0.5, out=out)
 
         return graph_replay_us(step) / LAYERS
 
@@ -109,7 +131,10 @@ def main() -> None:
         us = {}
         for name in args.variants.split(","):
             try:
-                us[name] = round(case.triton_us() if name == "triton" else case.flashinfer_us(name), 2)
+                if name.startswith("deterministic"):
+                    us[name] = round(case.deterministic_us(split=name == "deterministic"), 2)
+                else:
+                    us[name] = round(case.triton_us() if name == "triton" else case.flashinfer_us(name), 2)
             except Exception as e:  # a variant this FlashInfer does not offer
                 us[name] = f"{type(e).__name__}: {str(e)[:120]}"
         line = {"bench": "gpu_decode_attention", "kv_dtype": kv_name, "page_size": page_size, "batch": batch,

@@ -48,6 +48,8 @@ class Setup:
             spec: LayerAttention = LayerAttention()) -> torch.Tensor:
         host = kernel.host_tables(self.table, rows, seq_lens, extend_lens, self.heads // self.kv_heads)
         tables = kernel.load_tables(host, self.device)
+        if all(n == 1 for n in extend_lens):  # as the backend plans a decode step: split where it pays
+            tables = kernel.split_if_worth_it(tables, self.heads, self.kv_heads, self.head_dim, max(seq_lens))
         return kernel.attend(q, self.k_buf, self.v_buf, tables, self.head_dim ** -0.5, spec, *self.scales)
 
     def reference(self, q: torch.Tensor, row: int, seq_len: int, spec: LayerAttention) -> torch.Tensor:
@@ -73,15 +75,17 @@ class Setup:
 def worst_error(setup: Setup, spec: LayerAttention) -> float:
     """Largest |kernel - float64 reference| over a batch of an extend after a cached prefix, a
     decode, a prompt from scratch and a one-token sequence."""
-    reqs = [(0, 150, 60), (1, 200, 1), (2, 7, 7), (3, 1, 1)]  # (table row, seq len, new tokens)
-    q = setup.queries(sum(n for *_, n in reqs))
-    out = setup.run(q, [r for r, *_ in reqs], [s for _, s, _ in reqs], [n for *_, n in reqs], spec)
-    worst, start = 0.0, 0
-    for row, seq_len, new in reqs:
-        ref = setup.reference(q[start:start + new], row, seq_len, spec)
-        error = (out[start:start + new].double().cpu() - ref).abs().max().item()
-        worst = max(worst, error if error == error else float("inf"))  # NaN: worst of all
-        start += new
+    worst = 0.0
+    # (table row, seq len, new tokens): a mixed batch (sequential), then a decode-only one (split)
+    for reqs in ([(0, 150, 60), (1, 200, 1), (2, 7, 7), (3, 1, 1)], [(1, 200, 1), (3, 1, 1), (4, 250, 1)]):
+        q = setup.queries(sum(n for *_, n in reqs))
+        out = setup.run(q, [r for r, *_ in reqs], [s for _, s, _ in reqs], [n for *_, n in reqs], spec)
+        start = 0
+        for row, seq_len, new in reqs:
+            ref = setup.reference(q[start:start + new], row, seq_len, spec)
+            error = (out[start:start + new].double().cpu() - ref).abs().max().item()
+            worst = max(worst, error if error == error else float("inf"))  # NaN: worst of all
+            start += new
     return worst
 
 
@@ -113,24 +117,29 @@ def variants_of_one_row(setup: Setup, spec: LayerAttention, trials: int, max_com
         found[f"extend after {prefix} to {pos + past}"] = setup.run(q, [0], [pos + 1 + past], [new], spec)[pos - prefix]
     q = torch.cat([setup.queries(37), q_row])
     found["decode beside an extend"] = setup.run(q, [5, 0], [240, pos + 1], [37, 1], spec)[37]
-    found["graph tables"] = graph_row(setup, spec, q_row)
+    found["graph tables"] = graph_row(setup, spec, q_row, split=False)
+    found["split graph tables"] = graph_row(setup, spec, q_row, split=True)
     if captured:
-        found["replayed graph"] = captured_row(setup, spec, q_row)
+        found["replayed graph"] = captured_row(setup, spec, q_row, split=False)
+        found["replayed split graph"] = captured_row(setup, spec, q_row, split=True)
     return found
 
 
-def graph_row(setup: Setup, spec: LayerAttention, q_row: torch.Tensor) -> torch.Tensor:
+def graph_row(setup: Setup, spec: LayerAttention, q_row: torch.Tensor, split: bool) -> torch.Tensor:
     """The row through the backend's CUDA-graph tables (a bucket of 8 holding 3 requests, the
-    rest padding), planned as cuda_graph_runner does: capture once, then replay."""
+    rest padding), planned as cuda_graph_runner does: capture once, then replay; the sequential
+    variant, or the split one the backend chooses for the batch."""
     pool = KVPool(1, 1, setup.kv_heads, setup.head_dim, setup.k_buf.dtype, "cpu")
     pool.k_buffers, pool.v_buffers = [setup.k_buf], [setup.v_buf]
     pool.k_scale, pool.v_scale = setup.scales
     backend = TritonDeterministicBackend(pool, setup.table, setup.head_dim ** -0.5, setup.heads, [spec])
     backend.init_cuda_graph_state(16, 1)
     loc = torch.zeros(8, dtype=torch.int64, device=setup.device)
-    handle = backend.capture_cuda_graph_plan("decode", 8, loc)
     batch = decode_batch([3, 0, 7], [90, 150, 260])
-    backend.replay_cuda_graph_plan("decode", handle, batch, 8, loc)
+    variant = backend.choose_cuda_graph_variant(batch, 8) if split else "decode"
+    assert variant.startswith("split") == split, variant
+    handle = backend.capture_cuda_graph_plan(variant, 8, loc)
+    backend.replay_cuda_graph_plan(variant, handle, batch, 8, loc)
     q = torch.cat([setup.queries(1), q_row, setup.queries(6)])
     out = kernel.attend(q, setup.k_buf, setup.v_buf, backend._tables, setup.head_dim ** -0.5, spec, *setup.scales)
     return out[1]
@@ -151,9 +160,10 @@ def differing(found: dict[str, torch.Tensor]) -> list[str]:
     return [name for name, row in found.items() if not torch.equal(row, alone)]
 
 
-def captured_row(setup: Setup, spec: LayerAttention, q_row: torch.Tensor) -> torch.Tensor:
+def captured_row(setup: Setup, spec: LayerAttention, q_row: torch.Tensor, split: bool) -> torch.Tensor:
     """The row from a real CUDA graph (GPU only): the kernel captured over the backend's graph
-    tables for a bucket of 8 padding rows, then replayed for 3 requests, the row second."""
+    tables for a bucket of 8 padding rows, then replayed for 3 requests, the row second; the
+    sequential variant or the split one the backend chooses for them."""
     pool = KVPool(1, 1, setup.kv_heads, setup.head_dim, setup.k_buf.dtype, setup.device)
     pool.k_buffers, pool.v_buffers = [setup.k_buf], [setup.v_buf]
     pool.k_scale, pool.v_scale = setup.scales
@@ -162,7 +172,9 @@ def captured_row(setup: Setup, spec: LayerAttention, q_row: torch.Tensor) -> tor
     loc = torch.zeros(8, dtype=torch.int64, device=setup.device)
     q = torch.zeros(8, setup.heads, setup.head_dim, dtype=setup.dtype, device=setup.device)
     out = q.new_empty(8, setup.heads * setup.head_dim)
-    handle = backend.capture_cuda_graph_plan("decode", 8, loc)
+    batch = decode_batch([3, 0, 7], [90, 150, 260])
+    variant = backend.choose_cuda_graph_variant(batch, 8) if split else "decode"
+    handle = backend.capture_cuda_graph_plan(variant, 8, loc)
 
     def run():
         kernel.attend(q, setup.k_buf, setup.v_buf, backend._tables, setup.head_dim ** -0.5, spec, *setup.scales, out=out)
@@ -172,7 +184,7 @@ def captured_row(setup: Setup, spec: LayerAttention, q_row: torch.Tensor) -> tor
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         run()
-    backend.replay_cuda_graph_plan("decode", handle, decode_batch([3, 0, 7], [90, 150, 260]), 8, loc)
+    backend.replay_cuda_graph_plan(variant, handle, batch, 8, loc)
     q[:3] = torch.cat([setup.queries(1), q_row, setup.queries(1)])
     graph.replay()
     torch.cuda.synchronize()

@@ -1,7 +1,8 @@
 """The deterministic Triton attention (CUDA's --enable-deterministic-inference attention) on CPU:
 in Triton's interpreter it matches a float64 reference (causal, GQA, sliding window, soft-cap,
 FP8 pool with scales), and a query row's output has the same bits alone, beside decode
-companions, inside extend tiles after a cached prefix and from the decode graph's tables. The
+companions (both split into segment programs), inside extend tiles after a cached prefix
+(sequential) and from the decode graph's tables (sequential and split variants). The
 interpreter's arithmetic is not the GPU's (test_gpu_deterministic.py checks that); what this
 checks is the masking, the guard for blocks a row does not see, and the tables. It also
 compiles the kernel for Hopper (sm_90) without a GPU. fp16 and float32 only: the interpreter
@@ -21,7 +22,11 @@ from triton_interpreter import run_in_interpreter
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 
-REFERENCE_CHECK = f"""
+# Segments of one key block, so that the rows checked (up to 320 keys) span several: a split
+# decode merges them in the combine kernel, a sequential one in the attention kernel.
+SMALL_SEGMENTS = "from radixlm.srt.executor.attention import deterministic_triton; deterministic_triton.SEGMENT = 64\n"
+
+REFERENCE_CHECK = SMALL_SEGMENTS + f"""
 import sys, torch
 sys.path.insert(0, {TESTS!r})
 from deterministic_attention_checks import FP8, SPECS, Setup, worst_error
@@ -35,17 +40,19 @@ for heads, kv_heads, head_dim, dtype, pool, specs in [
 print(max(worst.values()) if all(v < (1e-5 if k[0] == "torch.float32" else 4e-3) for k, v in worst.items()) else worst)
 """
 
-INVARIANCE_CHECK = f"""
+INVARIANCE_CHECK = SMALL_SEGMENTS + f"""
 import sys, torch
 sys.path.insert(0, {TESTS!r})
 from deterministic_attention_checks import FP8, SPECS, Setup, differing, variants_of_one_row
 bad = {{}}
-for pool in (torch.half, FP8):
-    setup = Setup(8, 2, 32, torch.half, pool, rows=12, max_len=320, scales=(0.5, 1.5))
-    for spec in (SPECS[0], SPECS[3]):
+# float32 too: its outputs keep the rounding of the merges that fp16 outputs round away.
+for dtype, pool, specs in ((torch.half, torch.half, SPECS[::3]), (torch.half, FP8, SPECS[::3]),
+                           (torch.float32, torch.float32, SPECS[:1])):
+    setup = Setup(8, 2, 32, dtype, pool, rows=12, max_len=320, scales=(0.5, 1.5))
+    for spec in specs:
         found = variants_of_one_row(setup, spec, trials=3, max_companions=6)
         if differing(found):
-            bad[(str(pool), spec)] = differing(found)
+            bad[(str(dtype), str(pool), spec)] = differing(found)
 print(bad or f"ok {{len(found)}}")
 """
 
@@ -88,27 +95,43 @@ def test_backend_plans_graph_tables_with_padding_and_falls_back_when_they_are_fu
 
 
 def test_kernel_compiles_for_hopper_without_spilling():
+    """Both kernels for sm_90 at the 8B shape (head_dim 128, groups of 4): sequential and split,
+    bf16 and an FP8 pool with soft-cap and window; tensor-core products, no spills."""
     triton = pytest.importorskip("triton")
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
 
     from radixlm.srt.executor.attention import deterministic_triton as kernel
 
-    params = kernel._attend_kernel.params
-    for q_type, kv_type, softcap, window in (("*bf16", "*bf16", False, False), ("*bf16", "*fp8e4nv", True, True)):
-        pointers = {"q_ptr": q_type, "out_ptr": q_type, "k_ptr": kv_type, "v_ptr": kv_type}
-        signature = {p.name: "constexpr" if p.is_constexpr else pointers.get(p.name, "*i32") if p.name.endswith("_ptr")
-                     else "fp32" if p.name in ("qk_scale", "v_scale", "softcap") else "i32" for p in params}
-        hints = {(i,): [["tt.divisibility", 16]] for i, p in enumerate(params)
-                 if not p.is_constexpr and (p.name.endswith("_ptr") or p.name.startswith("stride"))}
-        constexprs = dict(GROUP=4, HEADS_PER_TILE=4, CHUNKS=1, HEAD_DIM=128, BLOCK_D=128, BLOCK_M=kernel.BLOCK_M,
-                          KEY_BLOCK=kernel.KEY_BLOCK, SOFTCAP=softcap, WINDOW=window, PRECISION="tf32")
-        compiled = triton.compile(ASTSource(kernel._attend_kernel, signature, constexprs, hints),
-                                  target=GPUTarget("cuda", 90, 32),
-                                  options={"num_warps": kernel.num_warps(128), "num_stages": kernel.NUM_STAGES})
-        assert compiled.asm["cubin"]
+    pointer_types = {"q_ptr": "*bf16", "out_ptr": "*bf16", "part_acc_ptr": "*fp32", "part_ml_ptr": "*fp32"}
+    for kv_type, softcap, window, split in (("*bf16", False, False, False), ("*fp8e4nv", True, True, False),
+                                            ("*bf16", False, False, True), ("*fp8e4nv", True, True, True)):
+        compiled = _compile(triton, kernel._attend_kernel, {**pointer_types, "k_ptr": kv_type, "v_ptr": kv_type},
+                            dict(GROUP=4, HEADS_PER_TILE=4, CHUNKS=1, HEAD_DIM=128, BLOCK_D=128, BLOCK_M=kernel.BLOCK_M,
+                                 KEY_BLOCK=kernel.KEY_BLOCK, SEGMENT=kernel.SEGMENT, SPLIT=split, SOFTCAP=softcap,
+                                 WINDOW=window, PRECISION="tf32"),
+                            kernel.num_warps(128), kernel.NUM_STAGES)
         assert "wgmma" in compiled.asm["ptx"]  # Hopper's tensor-core products
         assert " 0 bytes spill stores" in _ptxas_report(compiled.asm["ptx"])
+    combine = _compile(triton, kernel._combine_kernel, pointer_types,
+                       dict(HEAD_DIM=128, BLOCK_D=128, KEY_BLOCK=kernel.KEY_BLOCK, SEGMENT=kernel.SEGMENT, WINDOW=True),
+                       1, 1)
+    assert " 0 bytes spill stores" in _ptxas_report(combine.asm["ptx"])
+
+
+def _compile(triton, fn, pointer_types: dict, constexprs: dict, warps: int, stages: int):
+    """`fn` compiled for sm_90 with FMA contraction off (as attend launches it), pointers and
+    strides marked 16-aligned as the launch's arguments are."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    params = fn.params
+    signature = {p.name: "constexpr" if p.is_constexpr else pointer_types.get(p.name, "*i32") if p.name.endswith("_ptr")
+                 else "fp32" if p.name in ("qk_scale", "v_scale", "softcap") else "i32" for p in params}
+    hints = {(i,): [["tt.divisibility", 16]] for i, p in enumerate(params)
+             if not p.is_constexpr and (p.name.endswith("_ptr") or p.name.startswith("stride"))}
+    compiled = triton.compile(ASTSource(fn, signature, constexprs, hints), target=GPUTarget("cuda", 90, 32),
+                              options={"num_warps": warps, "num_stages": stages, "enable_fp_fusion": False})
+    assert compiled.asm["cubin"]
+    return compiled
 
 
 def _ptxas_report(ptx: str) -> str:

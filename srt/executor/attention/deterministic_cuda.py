@@ -35,7 +35,9 @@ class TritonDeterministicBackend(AttentionBackend):
         self.scale = scale
         self.layers = list(layers) if layers is not None else [LayerAttention()] * len(kv_pool.k_buffers)
         self.device = kv_pool.k_buffers[0].device
-        self.group = num_heads // kv_pool.k_buffers[0].shape[0]
+        self.num_heads = num_heads
+        self.num_kv_heads, _, self.head_dim = kv_pool.k_buffers[0].shape
+        self.group = num_heads // self.num_kv_heads
         self._tables: kernel.Tables | None = None
         self._out_cache_loc: torch.Tensor | None = None
         self._graph: _GraphTables | None = None
@@ -43,7 +45,11 @@ class TritonDeterministicBackend(AttentionBackend):
     def plan(self, batch: ForwardBatch) -> None:
         host = kernel.host_tables(self.req_to_token, batch.req_pool_indices_cpu, batch.seq_lens_cpu,
                                   batch.extend_lens_cpu, self.group)
-        self._tables = kernel.load_tables(host, self.device)
+        tables = kernel.load_tables(host, self.device)
+        if all(n == 1 for n in batch.extend_lens_cpu):
+            tables = kernel.split_if_worth_it(tables, self.num_heads, self.num_kv_heads, self.head_dim,
+                                              max(batch.seq_lens_cpu))
+        self._tables = tables
         self._out_cache_loc = batch.out_cache_loc
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int) -> torch.Tensor:
@@ -67,12 +73,29 @@ class TritonDeterministicBackend(AttentionBackend):
         # radix cache shares slots between requests; prefers_eager runs those eagerly).
         capacity = min(max_bs * self.req_to_token.shape[1], 2 * self.kv_pool.k_buffers[0].shape[1])
         self._graph = _GraphTables(max_bs, capacity, self.device)
+        # One workspace for every split graph (one replays at a time), as large as any may need.
+        rows = max((bs * segments for bs in range(1, max_bs + 1) for segments in self._split_bounds(bs)), default=0)
+        self._graph_partials = kernel.split_partials(rows, self.num_heads, self.head_dim, 1, self.device)
+
+    def _split_bounds(self, bs: int) -> list[int]:
+        """Segment counts a split decode graph of bs rows is captured for: powers of 4 up to the
+        context length, where split_segments would split a batch that long."""
+        context = self.req_to_token.shape[1]
+        bounds, bound = [], 4
+        while (bound // 4) * kernel.SEGMENT < context:
+            if kernel.split_segments(bs, self.num_heads, self.num_kv_heads, self.head_dim, bound * kernel.SEGMENT):
+                bounds.append(bound)
+            bound *= 4
+        return bounds
 
     def cuda_graph_variants(self, bs: int) -> tuple[str, ...]:
-        return (DEFAULT_GRAPH_VARIANT,)
+        """DEFAULT_GRAPH_VARIANT runs sequentially (any length); "splitN" splits into N segments."""
+        return (DEFAULT_GRAPH_VARIANT,) + tuple(f"split{n}" for n in self._split_bounds(bs))
 
     def choose_cuda_graph_variant(self, batch: ForwardBatch, bs: int) -> str:
-        return DEFAULT_GRAPH_VARIANT
+        needed = -(-max(batch.seq_lens_cpu) // kernel.SEGMENT)
+        fits = [n for n in self._split_bounds(bs) if n >= needed] if needed >= 2 else []
+        return f"split{fits[0]}" if fits else DEFAULT_GRAPH_VARIANT
 
     def capture_cuda_graph_plan(self, variant: str, bs: int, out_cache_loc: torch.Tensor) -> object:
         self.replay_cuda_graph_plan(variant, bs, None, bs, out_cache_loc)
@@ -81,7 +104,11 @@ class TritonDeterministicBackend(AttentionBackend):
     def replay_cuda_graph_plan(self, variant: str, handle: object, batch: ForwardBatch | None, bs: int,
                                out_cache_loc: torch.Tensor) -> None:
         rows, seq_lens = (batch.req_pool_indices_cpu, batch.seq_lens_cpu) if batch is not None else ([], [])
-        self._tables = self._graph.plan(self.req_to_token, rows, seq_lens, bs)
+        tables = self._graph.plan(self.req_to_token, rows, seq_lens, bs)
+        if variant != DEFAULT_GRAPH_VARIANT:
+            tables = tables._replace(segments=int(variant.removeprefix("split")), part_acc=self._graph_partials[0],
+                                     part_ml=self._graph_partials[1])
+        self._tables = tables
         self._out_cache_loc = out_cache_loc
 
 

@@ -3,7 +3,8 @@
 A query's result must not depend on its batch, its companions, how its prompt was chunked, or
 whether its prefix came from the cache; and a decode step and a prefill chunk must compute it
 alike. So every call, decode or extend, runs one kernel of one configuration (BLOCK_M query rows,
-KEY_BLOCK keys, NUM_WARPS, NUM_STAGES: no autotune, no split of the keys across programs):
+KEY_BLOCK keys, SEGMENT keys a segment, NUM_WARPS, NUM_STAGES: no autotune, no split that
+depends on the batch):
 
 - One program per (query tile of one request, KV head). A tile's rows are (query token, query
   head of the KV head's group) pairs; a decode step's tile holds its one token.
@@ -15,6 +16,13 @@ KEY_BLOCK keys, NUM_WARPS, NUM_STAGES: no autotune, no split of the keys across 
   bit-identical (m = -inf: alpha = 1, p = 0; else alpha = exp2(0) = 1, p = 0), so a tile that
   reaches further, or starts earlier, for other rows changes nothing for this one. Keys a row
   may not see inside a block it does see enter with weight exactly 0.
+- The keys fall into segments of SEGMENT positions, also aligned to position 0. Each segment
+  starts a fresh online softmax, and a row's result merges its segments' (m, l, acc) in position
+  order (_merge). Sequentially, one program walks every segment and merges as it goes; split, a
+  decode step with few programs gives each of a request's segments its own program and a second
+  kernel merges their partial results in the same order with the same arithmetic (FMA
+  contraction off in both kernels, so each operation rounds alike). Either way a row's bits
+  depend only on its own keys: split mode is what makes a batch-1 decode step fill the GPU.
 
 Tables (int32, on the device): request r's new tokens are q rows q_indptr[r]:q_indptr[r + 1],
 its keys' slots slots[kv_indptr[r]:kv_indptr[r + 1]] in position order (its new tokens last);
@@ -33,16 +41,31 @@ from .layer_spec import LayerAttention
 
 BLOCK_M = 64  # query rows per program: tokens x group heads
 KEY_BLOCK = 64
+SEGMENT = 256  # keys per segment (a multiple of KEY_BLOCK): a split decode's program each
 NUM_STAGES = 2
+# A decode-only call of fewer programs than this (tiles x KV heads) runs split, when its partial
+# results fit SPLIT_WORKSPACE_BYTES; more programs fill the GPU without splitting.
+SPLIT_BELOW_PROGRAMS = 256
+SPLIT_WORKSPACE_BYTES = 64 << 20
 _LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _attend_kernel(q_ptr, k_ptr, v_ptr, out_ptr, q_indptr_ptr, kv_indptr_ptr, slots_ptr, tile_req_ptr, tile_tok_ptr,
-                   stride_qt, stride_qh, stride_kh, stride_vh, stride_ot, qk_scale, v_scale, softcap, window,
+def _merge(big_m, big_l, big_acc, m, l, acc):
+    """(M, L, ACC) followed by one more segment's (m, l, acc), per row; m must be finite."""
+    m_new = tl.maximum(big_m, m)
+    a = tl.exp2(big_m - m_new)  # M = -inf (nothing merged yet): 0
+    b = tl.exp2(m - m_new)
+    return m_new, big_l * a + l * b, big_acc * a[:, None] + acc * b[:, None]
+
+
+@triton.jit
+def _attend_kernel(q_ptr, k_ptr, v_ptr, out_ptr, part_acc_ptr, part_ml_ptr, q_indptr_ptr, kv_indptr_ptr, slots_ptr,
+                   tile_req_ptr, tile_tok_ptr, stride_qt, stride_qh, stride_kh, stride_vh, stride_ot, qk_scale,
+                   v_scale, softcap, window, num_heads, num_segments,
                    GROUP: tl.constexpr, HEADS_PER_TILE: tl.constexpr, CHUNKS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                   BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, KEY_BLOCK: tl.constexpr, SOFTCAP: tl.constexpr,
-                   WINDOW: tl.constexpr, PRECISION: tl.constexpr):
+                   BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, KEY_BLOCK: tl.constexpr, SEGMENT: tl.constexpr,
+                   SPLIT: tl.constexpr, SOFTCAP: tl.constexpr, WINDOW: tl.constexpr, PRECISION: tl.constexpr):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1) // CHUNKS
     chunk = tl.program_id(1) % CHUNKS
@@ -72,42 +95,103 @@ def _attend_kernel(q_ptr, k_ptr, v_ptr, out_ptr, q_indptr_ptr, kv_indptr_ptr, sl
     lo = 0
     if WINDOW:
         lo = tl.maximum(prefix + tok0 - window + 1, 0) // KEY_BLOCK * KEY_BLOCK  # aligned: same blocks for a row
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    for start in range(lo, last_pos + 1, KEY_BLOCK):
-        kp = start + tl.arange(0, KEY_BLOCK)
-        k_ok = kp <= last_pos
-        slot = tl.load(slots_ptr + kv_start + kp, mask=k_ok, other=0).to(tl.int64)
-        kv_mask = k_ok[:, None] & d_ok[None, :]
-        k = tl.load(k_head + slot[:, None] * HEAD_DIM + d[None, :], mask=kv_mask, other=0.0)
-        s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION) * qk_scale
-        if SOFTCAP:  # cap * tanh(s / cap), from exp2 (the interpreter has no tanh), then log2 domain
-            x = s / softcap
-            t = tl.exp2(-2.0 * 1.4426950408889634 * tl.abs(x))
-            th = (1.0 - t) / (1.0 + t)
-            s = tl.where(x < 0, -th, th) * softcap * 1.4426950408889634
-        seen = kp[None, :] <= pos[:, None]
-        if WINDOW:
-            seen = seen & (kp[None, :] > pos[:, None] - window)
-        s = tl.where(seen, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        unseen = m_new == float("-inf")  # nothing seen yet: keep (m, l, acc) as they are
-        m_ref = tl.where(unseen, 0.0, m_new)  # finite, so no -inf - -inf
-        alpha = tl.where(unseen, 1.0, tl.exp2(m_i - m_ref))
-        p = tl.exp2(s - m_ref[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(v_head + slot[:, None] * HEAD_DIM + d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
-        acc = tl.dot(p.to(q.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
-        m_i = m_new
-    scale = v_scale / tl.where(l_i > 0, l_i, 1.0)
-    out_rows = out_ptr + (q_start + tok).to(tl.int64) * stride_ot + head * HEAD_DIM
-    tl.store(out_rows[:, None] + d[None, :], (acc * scale[:, None]).to(out_ptr.dtype.element_ty),
-             mask=row_ok[:, None] & d_ok[None, :])
+    # The segments each row merges: those holding a key it sees (padding rows: none).
+    row_last = tl.where(row_ok, pos // SEGMENT, -1)
+    row_first = tl.zeros([BLOCK_M], dtype=tl.int32)
+    if WINDOW:
+        row_first = tl.maximum(pos - window + 1, 0) // SEGMENT
+    seg_lo = lo // SEGMENT
+    seg_hi = last_pos // SEGMENT + 1
+    if SPLIT:  # one segment, this program's; its partial result goes to the combine kernel
+        seg_lo += tl.program_id(2)
+        seg_hi = tl.minimum(seg_hi, seg_lo + 1)
+    big_m = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    big_l = tl.zeros([BLOCK_M], dtype=tl.float32)
+    big_acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    for seg in range(seg_lo, seg_hi):
+        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+        for start in range(tl.maximum(seg * SEGMENT, lo), tl.minimum(seg * SEGMENT + SEGMENT, last_pos + 1), KEY_BLOCK):
+            kp = start + tl.arange(0, KEY_BLOCK)
+            k_ok = kp <= last_pos
+            slot = tl.load(slots_ptr + kv_start + kp, mask=k_ok, other=0).to(tl.int64)
+            kv_mask = k_ok[:, None] & d_ok[None, :]
+            k = tl.load(k_head + slot[:, None] * HEAD_DIM + d[None, :], mask=kv_mask, other=0.0)
+            s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION) * qk_scale
+            if SOFTCAP:  # cap * tanh(s / cap), from exp2 (the interpreter has no tanh), then log2 domain
+                x = s / softcap
+                t = tl.exp2(-2.0 * 1.4426950408889634 * tl.abs(x))
+                th = (1.0 - t) / (1.0 + t)
+                s = tl.where(x < 0, -th, th) * softcap * 1.4426950408889634
+            seen = kp[None, :] <= pos[:, None]
+            if WINDOW:
+                seen = seen & (kp[None, :] > pos[:, None] - window)
+            s = tl.where(seen, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            unseen = m_new == float("-inf")  # nothing seen yet: keep (m, l, acc) as they are
+            m_ref = tl.where(unseen, 0.0, m_new)  # finite, so no -inf - -inf
+            alpha = tl.where(unseen, 1.0, tl.exp2(m_i - m_ref))
+            p = tl.exp2(s - m_ref[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            v = tl.load(v_head + slot[:, None] * HEAD_DIM + d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
+            acc = tl.dot(p.to(q.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
+            m_i = m_new
+        sees = (seg >= row_first) & (seg <= row_last)
+        merged_m, merged_l, merged_acc = _merge(big_m, big_l, big_acc, m_i, l_i, acc)
+        big_m = tl.where(sees, merged_m, big_m)
+        big_l = tl.where(sees, merged_l, big_l)
+        big_acc = tl.where(sees[:, None], merged_acc, big_acc)
+    if SPLIT:
+        part = ((tile * num_heads + head).to(tl.int64) * num_segments + tl.program_id(2))
+        stored = row_ok & (r < tl.where(seg_lo < seg_hi, BLOCK_M, 0))  # a program past the request's segments: none
+        tl.store(part_acc_ptr + part[:, None] * BLOCK_D + d[None, :], big_acc, mask=stored[:, None] & d_ok[None, :])
+        tl.store(part_ml_ptr + part * 2, big_m, mask=stored)
+        tl.store(part_ml_ptr + part * 2 + 1, big_l, mask=stored)
+    else:
+        scale = v_scale / tl.where(big_l > 0, big_l, 1.0)
+        out_rows = out_ptr + (q_start + tok).to(tl.int64) * stride_ot + head * HEAD_DIM
+        tl.store(out_rows[:, None] + d[None, :], (big_acc * scale[:, None]).to(out_ptr.dtype.element_ty),
+                 mask=row_ok[:, None] & d_ok[None, :])
+
+
+@triton.jit
+def _combine_kernel(out_ptr, part_acc_ptr, part_ml_ptr, q_indptr_ptr, kv_indptr_ptr, tile_req_ptr, stride_ot,
+                    v_scale, window, num_heads, num_segments, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                    KEY_BLOCK: tl.constexpr, SEGMENT: tl.constexpr, WINDOW: tl.constexpr):
+    """A split decode row's result: its segments' partial results merged in position order, as
+    the sequential kernel merges them."""
+    tile = tl.program_id(0)
+    head = tl.program_id(1)
+    req = tl.load(tile_req_ptr + tile)
+    q_row = tl.load(q_indptr_ptr + req)
+    pos = tl.load(kv_indptr_ptr + req + 1) - tl.load(kv_indptr_ptr + req) - 1  # its one query's position
+    lo = 0
+    if WINDOW:
+        lo = tl.maximum(pos - window + 1, 0) // KEY_BLOCK * KEY_BLOCK
+    count = pos // SEGMENT - lo // SEGMENT + 1
+    d = tl.arange(0, BLOCK_D)
+    one = tl.zeros([1], dtype=tl.int32)
+    base = (tile * num_heads + head).to(tl.int64) * num_segments
+    big_m = tl.full([1], float("-inf"), dtype=tl.float32)
+    big_l = tl.zeros([1], dtype=tl.float32)
+    big_acc = tl.zeros([1, BLOCK_D], dtype=tl.float32)
+    for i in range(0, count):
+        part = base + i + one
+        m = tl.load(part_ml_ptr + part * 2)
+        l = tl.load(part_ml_ptr + part * 2 + 1)
+        acc = tl.load(part_acc_ptr + part[:, None] * BLOCK_D + d[None, :])
+        big_m, big_l, big_acc = _merge(big_m, big_l, big_acc, m, l, acc)
+    scale = v_scale / tl.where(big_l > 0, big_l, 1.0)
+    out_row = out_ptr + q_row.to(tl.int64) * stride_ot + head * HEAD_DIM + one
+    tl.store(out_row[:, None] + d[None, :], (big_acc * scale[:, None]).to(out_ptr.dtype.element_ty),
+             mask=(d < HEAD_DIM)[None, :])
 
 
 class Tables(NamedTuple):
-    """One forward's tables on the device (see the module docstring); num_tiles programs per KV head."""
+    """One forward's tables on the device (see the module docstring); num_tiles programs per KV
+    head; with segments > 0 (decode only) the call runs split into that many segment programs
+    per tile, their partial results in part_acc and part_ml (split_partials)."""
 
     q_indptr: torch.Tensor
     kv_indptr: torch.Tensor
@@ -115,6 +199,44 @@ class Tables(NamedTuple):
     tile_req: torch.Tensor
     tile_tok: torch.Tensor
     num_tiles: int
+    segments: int = 0
+    part_acc: torch.Tensor | None = None
+    part_ml: torch.Tensor | None = None
+
+
+def split_segments(num_tiles: int, num_heads: int, num_kv_heads: int, head_dim: int, longest: int) -> int:
+    """Segment programs per tile for a decode-only call of num_tiles requests whose longest has
+    `longest` keys; 0 (run it sequentially) when it has programs enough without splitting, one
+    segment, or partial results over SPLIT_WORKSPACE_BYTES. Either way gives the same bits."""
+    segments = -(-longest // SEGMENT)
+    if segments < 2 or num_tiles * num_kv_heads * _chunks(num_heads // num_kv_heads) >= SPLIT_BELOW_PROGRAMS:
+        return 0
+    return segments if _partial_floats(num_tiles, num_heads, head_dim, segments) * 4 <= SPLIT_WORKSPACE_BYTES else 0
+
+
+def split_if_worth_it(tables: Tables, num_heads: int, num_kv_heads: int, head_dim: int, longest: int) -> Tables:
+    """A decode-only call's tables, split (with fresh partial buffers) where split_segments says so."""
+    segments = split_segments(tables.num_tiles, num_heads, num_kv_heads, head_dim, longest)
+    if not segments:
+        return tables
+    part_acc, part_ml = split_partials(tables.num_tiles, num_heads, head_dim, segments, tables.slots.device)
+    return tables._replace(segments=segments, part_acc=part_acc, part_ml=part_ml)
+
+
+def split_partials(num_tiles: int, num_heads: int, head_dim: int, segments: int,
+                   device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(part_acc, part_ml): room for each (tile, query head, segment)'s accumulator and (m, l)."""
+    count = num_tiles * num_heads * segments
+    return (torch.empty(count * triton.next_power_of_2(head_dim), dtype=torch.float32, device=device),
+            torch.empty(count * 2, dtype=torch.float32, device=device))
+
+
+def _partial_floats(num_tiles: int, num_heads: int, head_dim: int, segments: int) -> int:
+    return num_tiles * num_heads * segments * (triton.next_power_of_2(head_dim) + 2)
+
+
+def _chunks(group: int) -> int:
+    return -(-group // min(group, BLOCK_M))
 
 
 def tokens_per_tile(group: int) -> int:
@@ -173,20 +295,30 @@ def attend(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, tables: Ta
         raise ValueError("deterministic attention: the pool must be [Hkv, slots, D] with contiguous rows")
     group = num_heads // num_kv_heads
     heads_per_tile = min(group, BLOCK_M)
-    chunks = -(-group // heads_per_tile)
+    chunks = _chunks(group)
     if out is None:
         out = q.new_empty(num_tokens, num_heads * head_dim)
     if num_tokens == 0 or tables.num_tiles == 0:
         return out
     softcap = spec.logit_softcap
     qk_scale = sm_scale * k_scale * (1.0 if softcap else _LOG2E)  # the softcap path goes to log2 after tanh
-    _attend_kernel[(tables.num_tiles, num_kv_heads * chunks)](
-        q, k_buf, v_buf, out, tables.q_indptr, tables.kv_indptr, tables.slots, tables.tile_req, tables.tile_tok,
-        q.stride(0), q.stride(1), k_buf.stride(0), v_buf.stride(0), out.stride(0), qk_scale, v_scale,
-        float(softcap or 1.0), int(spec.sliding_window or 0),
-        GROUP=group, HEADS_PER_TILE=heads_per_tile, CHUNKS=chunks, HEAD_DIM=head_dim,
-        BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_M=BLOCK_M, KEY_BLOCK=KEY_BLOCK,
-        SOFTCAP=softcap is not None, WINDOW=spec.sliding_window is not None,
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=num_warps(head_dim), num_stages=NUM_STAGES)
+    window = int(spec.sliding_window or 0)
+    segments = tables.segments
+    part_acc, part_ml = (tables.part_acc, tables.part_ml) if segments else (out, out)  # unused when sequential
+    block_d = triton.next_power_of_2(head_dim)
+    # No FMA contraction: a split row's merges run in the combine kernel, a sequential row's in
+    # this one, and each operation must round alike in both.
+    _attend_kernel[(tables.num_tiles, num_kv_heads * chunks, max(segments, 1))](
+        q, k_buf, v_buf, out, part_acc, part_ml, tables.q_indptr, tables.kv_indptr, tables.slots, tables.tile_req,
+        tables.tile_tok, q.stride(0), q.stride(1), k_buf.stride(0), v_buf.stride(0), out.stride(0), qk_scale, v_scale,
+        float(softcap or 1.0), window, num_heads, segments,
+        GROUP=group, HEADS_PER_TILE=heads_per_tile, CHUNKS=chunks, HEAD_DIM=head_dim, BLOCK_D=block_d,
+        BLOCK_M=BLOCK_M, KEY_BLOCK=KEY_BLOCK, SEGMENT=SEGMENT, SPLIT=segments > 0, SOFTCAP=softcap is not None,
+        WINDOW=spec.sliding_window is not None, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=num_warps(head_dim), num_stages=NUM_STAGES, enable_fp_fusion=False)
+    if segments:
+        _combine_kernel[(tables.num_tiles, num_heads)](
+            out, part_acc, part_ml, tables.q_indptr, tables.kv_indptr, tables.tile_req, out.stride(0), v_scale, window,
+            num_heads, segments, HEAD_DIM=head_dim, BLOCK_D=block_d, KEY_BLOCK=KEY_BLOCK, SEGMENT=SEGMENT,
+            WINDOW=spec.sliding_window is not None, num_warps=1, enable_fp_fusion=False)
     return out
