@@ -41,6 +41,7 @@ class TritonDeterministicBackend(AttentionBackend):
         self._tables: kernel.Tables | None = None
         self._out_cache_loc: torch.Tensor | None = None
         self._graph: _GraphTables | None = None
+        self._bounds: dict[int, list[int]] = {}  # _split_bounds per graph bucket size
 
     def plan(self, batch: ForwardBatch) -> None:
         host = kernel.host_tables(self.req_to_token, batch.req_pool_indices_cpu, batch.seq_lens_cpu,
@@ -79,13 +80,18 @@ class TritonDeterministicBackend(AttentionBackend):
 
     def _split_bounds(self, bs: int) -> list[int]:
         """Segment counts a split decode graph of bs rows is captured for: powers of 4 up to the
-        context length, where split_segments would split a batch that long."""
-        context = self.req_to_token.shape[1]
-        bounds, bound = [], 4
-        while (bound // 4) * kernel.SEGMENT < context:
-            if kernel.split_segments(bs, self.num_heads, self.num_kv_heads, self.head_dim, bound * kernel.SEGMENT):
-                bounds.append(bound)
-            bound *= 4
+        context length, where split_segments would split a batch that long (kept per bs: every
+        replayed step asks)."""
+        bounds = self._bounds.get(bs)
+        if bounds is None:
+            context = self.req_to_token.shape[1]
+            bounds, bound = [], 4
+            while (bound // 4) * kernel.SEGMENT < context:
+                if kernel.split_segments(bs, self.num_heads, self.num_kv_heads, self.head_dim,
+                                         bound * kernel.SEGMENT):
+                    bounds.append(bound)
+                bound *= 4
+            self._bounds[bs] = bounds
         return bounds
 
     def cuda_graph_variants(self, bs: int) -> tuple[str, ...]:
