@@ -73,6 +73,8 @@ def walk(buf: np.ndarray, positions: np.ndarray, num_drafts: int, min_token_prob
     prob, score = 1.0, 0.0
     while len(draft) < num_drafts:
         positions = positions[positions < buf.shape[0]]
+        if not positions.size:  # every occurrence is at the end of the request's tokens
+            break
         if positions.size == 1:  # one occurrence left: the rest is what followed it, up to its end
             rest = buf[positions[0]:positions[0] + num_drafts - len(draft)]
             ends = np.flatnonzero(rest == _SEP)
@@ -80,6 +82,12 @@ def walk(buf: np.ndarray, positions: np.ndarray, num_drafts: int, min_token_prob
             draft += rest.tolist()
             return draft, score + prob * rest.size
         following = buf[positions]
+        if following[0] != _SEP and (following == following[0]).all():  # one continuation: probability kept
+            token = int(following[0])
+            score += prob
+            draft.append(token)
+            positions = positions + 1
+            continue
         tokens = following[following != _SEP]
         if not tokens.size:
             break
