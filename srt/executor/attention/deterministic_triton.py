@@ -60,6 +60,19 @@ def _merge(big_m, big_l, big_acc, m, l, acc):
 
 
 @triton.jit
+def _window_lo(first_pos, window, KEY_BLOCK: tl.constexpr):
+    """The first key block a query at first_pos sees through its window (aligned: the same
+    blocks for a row whatever tile or kernel computes it)."""
+    return tl.maximum(first_pos - window + 1, 0) // KEY_BLOCK * KEY_BLOCK
+
+
+@triton.jit
+def _normalized(big_acc, big_l, v_scale):
+    """A row's output from its merged accumulator and sum (0 where it saw nothing)."""
+    return big_acc * (v_scale / tl.where(big_l > 0, big_l, 1.0))[:, None]
+
+
+@triton.jit
 def _attend_kernel(q_ptr, k_ptr, v_ptr, out_ptr, part_acc_ptr, part_ml_ptr, q_indptr_ptr, kv_indptr_ptr, slots_ptr,
                    tile_req_ptr, tile_tok_ptr, stride_qt, stride_qh, stride_kh, stride_vh, stride_ot, qk_scale,
                    v_scale, softcap, window, num_heads, num_segments,
@@ -94,7 +107,7 @@ def _attend_kernel(q_ptr, k_ptr, v_ptr, out_ptr, part_acc_ptr, part_ml_ptr, q_in
     last_pos = prefix + tl.minimum(tok0 + TOKENS, num_new) - 1  # the tile's last query
     lo = 0
     if WINDOW:
-        lo = tl.maximum(prefix + tok0 - window + 1, 0) // KEY_BLOCK * KEY_BLOCK  # aligned: same blocks for a row
+        lo = _window_lo(prefix + tok0, window, KEY_BLOCK)
     # The segments each row merges: those holding a key it sees (padding rows: none).
     row_last = tl.where(row_ok, pos // SEGMENT, -1)
     row_first = tl.zeros([BLOCK_M], dtype=tl.int32)
@@ -149,9 +162,8 @@ def _attend_kernel(q_ptr, k_ptr, v_ptr, out_ptr, part_acc_ptr, part_ml_ptr, q_in
         tl.store(part_ml_ptr + part * 2, big_m, mask=stored)
         tl.store(part_ml_ptr + part * 2 + 1, big_l, mask=stored)
     else:
-        scale = v_scale / tl.where(big_l > 0, big_l, 1.0)
         out_rows = out_ptr + (q_start + tok).to(tl.int64) * stride_ot + head * HEAD_DIM
-        tl.store(out_rows[:, None] + d[None, :], (big_acc * scale[:, None]).to(out_ptr.dtype.element_ty),
+        tl.store(out_rows[:, None] + d[None, :], _normalized(big_acc, big_l, v_scale).to(out_ptr.dtype.element_ty),
                  mask=row_ok[:, None] & d_ok[None, :])
 
 
@@ -168,7 +180,7 @@ def _combine_kernel(out_ptr, part_acc_ptr, part_ml_ptr, q_indptr_ptr, kv_indptr_
     pos = tl.load(kv_indptr_ptr + req + 1) - tl.load(kv_indptr_ptr + req) - 1  # its one query's position
     lo = 0
     if WINDOW:
-        lo = tl.maximum(pos - window + 1, 0) // KEY_BLOCK * KEY_BLOCK
+        lo = _window_lo(pos, window, KEY_BLOCK)
     count = pos // SEGMENT - lo // SEGMENT + 1
     d = tl.arange(0, BLOCK_D)
     one = tl.zeros([1], dtype=tl.int32)
@@ -182,9 +194,8 @@ def _combine_kernel(out_ptr, part_acc_ptr, part_ml_ptr, q_indptr_ptr, kv_indptr_
         l = tl.load(part_ml_ptr + part * 2 + 1)
         acc = tl.load(part_acc_ptr + part[:, None] * BLOCK_D + d[None, :])
         big_m, big_l, big_acc = _merge(big_m, big_l, big_acc, m, l, acc)
-    scale = v_scale / tl.where(big_l > 0, big_l, 1.0)
     out_row = out_ptr + q_row.to(tl.int64) * stride_ot + head * HEAD_DIM + one
-    tl.store(out_row[:, None] + d[None, :], (big_acc * scale[:, None]).to(out_ptr.dtype.element_ty),
+    tl.store(out_row[:, None] + d[None, :], _normalized(big_acc, big_l, v_scale).to(out_ptr.dtype.element_ty),
              mask=(d < HEAD_DIM)[None, :])
 
 
