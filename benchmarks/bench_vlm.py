@@ -270,7 +270,7 @@ def gpu_main(args: argparse.Namespace, report: Reporter) -> None:
         vision = ModelConfig.from_hf(tf.AutoConfig.from_pretrained(model_dir)).vision
         tokens_per_image = getattr(vision, "tokens_per_image", None)
         if tokens_per_image is None:  # Qwen2.5-VL: by the image's size, one token per merged patch square
-            side = vision.patch_size * vision.spatial_merge_size
+            side = vision.tower.patch_size * vision.tower.spatial_merge_size
             tokens_per_image = (args.image_px // side) ** 2
         texts = questions(tokenizer, n, args.text_len, seed=0)
 
