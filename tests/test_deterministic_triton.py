@@ -18,7 +18,7 @@ import tempfile
 import pytest
 import torch
 
-from triton_interpreter import run_in_interpreter
+from triton_interpreter import ROW_BY_ROW_DOT, run_in_interpreter
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 
@@ -40,7 +40,7 @@ for heads, kv_heads, head_dim, dtype, pool, specs in [
 print(max(worst.values()) if all(v < (1e-5 if k[0] == "torch.float32" else 4e-3) for k, v in worst.items()) else worst)
 """
 
-INVARIANCE_CHECK = SMALL_SEGMENTS + f"""
+INVARIANCE_CHECK = ROW_BY_ROW_DOT + SMALL_SEGMENTS + f"""
 import sys, torch
 sys.path.insert(0, {TESTS!r})
 from deterministic_attention_checks import FP8, SPECS, Setup, differing, variants_of_one_row

@@ -24,6 +24,25 @@ if hasattr(_interpreter, "_patch_lang_tensor"):
     _interpreter._patch_lang_tensor = _patch_with_item_index
 """
 
+# The interpreter's tl.dot is np.matmul, whose BLAS picks another summation for one row than for
+# several (on the 2026-12 CI machine's OpenBLAS a row's bits differed between M = 1 and M >= 2),
+# where a GPU's MMA gives each row the same bits whatever the tile's height. A check of
+# row-invariance prepends this, so that it tests our kernels' masking and tables, not NumPy:
+# each row is multiplied on its own.
+ROW_BY_ROW_DOT = """
+import numpy as _np
+import triton.runtime.interpreter as _interp
+_create_dot = _interp.InterpreterBuilder.create_dot
+
+def _row_by_row_dot(self, a, b, d, *args):
+    rows = [_create_dot(self, _interp.TensorHandle(a.data[..., i:i + 1, :], a.dtype), b,
+                        _interp.TensorHandle(d.data[..., i:i + 1, :], d.dtype), *args).data
+            for i in range(a.data.shape[-2])]
+    return _interp.TensorHandle(_np.concatenate(rows, axis=-2), d.dtype)
+
+_interp.InterpreterBuilder.create_dot = _row_by_row_dot
+"""
+
 
 def run_in_interpreter(script: str, timeout: float = 300) -> str:
     """The last line `script` prints; fails the test with its stderr if it exits non-zero."""
