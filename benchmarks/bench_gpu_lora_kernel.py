@@ -91,6 +91,18 @@ def main() -> None:
                 batch.triton_max_tokens = tokens if backend == "triton" else 0
                 figures[backend] = seconds(lambda: lora(x))
             lora.base = base
+            if tokens == 1 and cuda:  # the projection as the engine runs it: GEMM, then the kernels
+                batch.triton_max_tokens = tokens
+                chain = {"base_gemm_us": seconds(lambda: base(x))}
+                for pdl in (False, True):
+                    batch.pdl = pdl
+                    chain[f"gemm_and_lora_pdl_{'on' if pdl else 'off'}_us"] = seconds(lambda: lora(x))
+                chain = {k: round(v * 1e6, 2) for k, v in chain.items()}
+                report.emit({"bench": "gpu_lora_kernel", "projection": proj, "tokens": 1, "what": "base GEMM + LoRA "
+                             "kernels, one CUDA graph", **chain, "lora_us_pdl_off": round(
+                                 chain["gemm_and_lora_pdl_off_us"] - chain["base_gemm_us"], 2),
+                             "lora_us_pdl_on": round(chain["gemm_and_lora_pdl_on_us"] - chain["base_gemm_us"], 2),
+                             **frame})
             used = min(tokens, slots)
             elem = torch.finfo(dtype).bits // 8
             moved = (tokens * fan_in + used * rank * (len(outs) * fan_in + sum(outs.values()))

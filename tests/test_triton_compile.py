@@ -79,13 +79,13 @@ CASES = [
     (moe_triton._grouped_gemm_kernel, {"pair_ptr": "*i32", "expert_ptr": "*i32", "weight_ptr": "*fp32"},
      {"A_ROW_DIV": 2, "MUL_WEIGHT": False, "BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64}, 4),
     (triton_lora._shrink_kernel, {"rows_ptr": "*i64", "scaling_ptr": "*fp32", "h_ptr": "*fp32"},
-     {"NUM_SLOTS": 8, "RANK": 16, "RANK_P2": 16, "BLOCK_K": 512}, 4),
+     {"NUM_SLOTS": 8, "RANK": 16, "RANK_P2": 16, "BLOCK_K": 512, "PDL": True}, 4),
     (triton_lora._expand_kernel, {"h_ptr": "*fp32", "rows_ptr": "*i64"},
      {"NUM_PARTS": 3, "SPLITS": 28, "SPLITS_P2": 32, "ALIGNED": True, "NUM_SLOTS": 8, "RANK": 16, "RANK_P2": 16,
-      "BLOCK_N": 64}, 4),
+      "BLOCK_N": 64, "PDL": True}, 4),
     (triton_lora._expand_kernel, {"h_ptr": "*fp32", "rows_ptr": "*i64"},
      {"NUM_PARTS": 3, "SPLITS": 3, "SPLITS_P2": 4, "ALIGNED": False, "NUM_SLOTS": 8, "RANK": 16, "RANK_P2": 16,
-      "BLOCK_N": 64}, 4),
+      "BLOCK_N": 64, "PDL": True}, 4),
 ]
 
 

@@ -82,7 +82,8 @@ class ModelRunner:
             check_lora_supported(args, cfg)
             self.lora = LoRASlots(self.model, cfg, args.lora.max_loras_per_batch, max_lora_rank(args.lora),
                                   resolve_target_modules(args.lora.lora_target_modules), self.device, self.dtype,
-                                  shard=loaded.shard, triton_max_tokens=triton_max_tokens(args))
+                                  shard=loaded.shard, triton_max_tokens=triton_max_tokens(args),
+                                  pdl=self.kernels.pdl)
         local = self.model.config  # this rank's heads under tensor parallelism
         kv_dtype = kv_cache_torch_dtype(args.model.kv_cache_dtype, self.dtype)  # --kv-cache-dtype fp8_e4m3: FP8
         self.kv_pool = KVPool(num_kv_slots, cfg.num_layers, local.num_kv_heads, cfg.head_dim, kv_dtype, self.device,

@@ -103,15 +103,17 @@ class BatchAdapters:
     its adapter's scaling, the rest 0. None when no token uses an adapter."""
 
     def __init__(self, num_slots: int, max_rank: int, device: torch.device, dtype: torch.dtype,
-                 triton_max_tokens: int = 0):
+                 triton_max_tokens: int = 0, pdl: bool = True):
         """triton_max_tokens: forwards of up to this many tokens take their products from the
-        gathered kernels of triton_lora.py (CUDA), larger ones (and all with 0) from the masks."""
+        gathered kernels of triton_lora.py (CUDA), larger ones (and all with 0) from the masks;
+        pdl: those kernels launch with PDL (KernelOptions.pdl)."""
         self.num_slots, self.max_rank = num_slots, max_rank
         # Row s: slot s's columns at its scaling; the last row (base-model tokens) all zeros.
         self.table = torch.zeros(num_slots + 1, num_slots * max_rank, device=device, dtype=dtype)
         self.scaling = torch.zeros(num_slots, device=device, dtype=torch.float32)  # for the kernels
         self.device = device
         self.triton_max_tokens = triton_max_tokens
+        self.pdl = pdl
         self.rows: torch.Tensor | None = None  # each token's table row this forward; None: no adapters
         self._masks: dict[int, torch.Tensor] = {}
 
@@ -200,7 +202,7 @@ class LoRALinear(nn.Module):
             from .triton_lora import lora_shrink_expand
 
             return lora_shrink_expand(x, out, self.lora_a, self.lora_b, self.offsets, batch.rows, batch.scaling,
-                                      batch.num_slots, batch.max_rank)
+                                      batch.num_slots, batch.max_rank, batch.pdl)
         h = F.linear(x, self.lora_a) * batch.mask(len(self.parts))
         width = self.batch.num_slots * self.batch.max_rank
         if len(self.parts) == 1:
@@ -217,11 +219,11 @@ class LoRASlots:
 
     def __init__(self, model: nn.Module, full_config: ModelConfig, num_slots: int, max_rank: int,
                  targets: tuple[str, ...], device: torch.device, dtype: torch.dtype, shard=None,
-                 triton_max_tokens: int = 0):
+                 triton_max_tokens: int = 0, pdl: bool = True):
         """full_config: the whole model's (an adapter's tensors are checked against it); the
         model holds this rank's part of it (`shard`, under tensor parallelism).
-        triton_max_tokens: see BatchAdapters."""
-        self.batch = BatchAdapters(num_slots, max_rank, device, dtype, triton_max_tokens)
+        triton_max_tokens, pdl: see BatchAdapters."""
+        self.batch = BatchAdapters(num_slots, max_rank, device, dtype, triton_max_tokens, pdl)
         self.full_config, self.dtype, self.shard = full_config, dtype, shard
         self.host: dict[int, AdapterWeights] = {}
         shapes = module_shapes(model.config)
