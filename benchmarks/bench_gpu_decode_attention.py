@@ -21,7 +21,8 @@ import itertools
 
 import torch
 
-from .gpu_measure import gpu_reporter, graph_replay_us
+from .gpu_measure import device_name, gpu_reporter, graph_replay_us
+from .harness import run_frame
 from .models import LLAMA_8B
 
 HEADS, KV_HEADS, HEAD_DIM, LAYERS = LLAMA_8B.heads, LLAMA_8B.kv_heads, LLAMA_8B.head_dim, LLAMA_8B.layers
@@ -160,7 +161,7 @@ def main() -> None:
         del case
         torch.cuda.empty_cache()
         base = us["tensor_cores"]
-        rep.emit({**line, "baseline": "tensor_cores (FlashInfer, the engine's decode wrapper), measured in this run",
+        rep.emit({**line, **run_frame(device_name()), "baseline": "tensor_cores (FlashInfer, the engine's decode wrapper), measured in this run",
                   "speedup_vs_baseline": {k: round(base / v, 3) for k, v in us.items()
                                           if isinstance(v, float) and isinstance(base, float)}})
 
