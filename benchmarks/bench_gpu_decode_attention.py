@@ -161,7 +161,8 @@ def main() -> None:
         del case
         torch.cuda.empty_cache()
         base = us["tensor_cores"]
-        rep.emit({**line, **run_frame(device_name()), "baseline": "tensor_cores (FlashInfer, the engine's decode wrapper), measured in this run",
+        rep.emit({**line, **run_frame(device_name()),
+                  "baseline": "tensor_cores (FlashInfer, the engine's decode wrapper), measured in this run",
                   "speedup_vs_baseline": {k: round(base / v, 3) for k, v in us.items()
                                           if isinstance(v, float) and isinstance(base, float)}})
 

@@ -98,11 +98,10 @@ def main() -> None:
                     batch.pdl = pdl
                     chain[f"gemm_and_lora_pdl_{'on' if pdl else 'off'}_us"] = seconds(lambda: lora(x))
                 chain = {k: round(v * 1e6, 2) for k, v in chain.items()}
-                report.emit({"bench": "gpu_lora_kernel", "projection": proj, "tokens": 1, "what": "base GEMM + LoRA "
-                             "kernels, one CUDA graph", **chain, "lora_us_pdl_off": round(
-                                 chain["gemm_and_lora_pdl_off_us"] - chain["base_gemm_us"], 2),
-                             "lora_us_pdl_on": round(chain["gemm_and_lora_pdl_on_us"] - chain["base_gemm_us"], 2),
-                             **frame})
+                lora_only = {f"lora_us_pdl_{s}": round(chain[f"gemm_and_lora_pdl_{s}_us"] - chain["base_gemm_us"], 2)
+                             for s in ("off", "on")}
+                report.emit({"bench": "gpu_lora_kernel", "projection": proj, "tokens": 1,
+                             "what": "base GEMM + LoRA kernels, one CUDA graph", **chain, **lora_only, **frame})
             used = min(tokens, slots)
             elem = torch.finfo(dtype).bits // 8
             moved = (tokens * fan_in + used * rank * (len(outs) * fan_in + sum(outs.values()))

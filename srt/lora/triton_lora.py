@@ -107,6 +107,8 @@ def lora_shrink_expand(x: torch.Tensor, out: torch.Tensor, lora_a: torch.Tensor,
     parts = len(offsets)
     if parts > 3:
         raise ValueError(f"lora_shrink_expand: {parts} parts (at most 3)")
+    if K_PER_SPLIT > BLOCK_K:  # the shrink reads a split in one load
+        raise ValueError(f"lora_shrink_expand: K_PER_SPLIT {K_PER_SPLIT} > BLOCK_K {BLOCK_K}")
     splits = triton.cdiv(fan_in, K_PER_SPLIT)
     h = torch.empty(tokens, parts, splits, rank_p2, dtype=torch.float32, device=x.device)
     x = x.contiguous()
