@@ -274,3 +274,38 @@ def test_clear_and_close(tmp_path, store):
     store.close()  # idempotent
     store.put(keys[0], payload(0))  # after close: ignored
     assert not store.contains(keys[0])
+
+
+def test_prefetch_shares_one_buffer_and_reuses_freed_ranges(store, monkeypatch):
+    """Waiting requests' blocks go into one buffer: a request that finds no room is skipped
+    (read at admission instead), a forgotten or released one's range is reused, and a claim
+    yields the blocks read, in order, up to the chain's first miss."""
+    from radixlm.srt.scheduler import storage_prefetch
+
+    monkeypatch.setattr(storage_prefetch, "PREFETCH_MAX_BYTES", 5 * BLOCK_BYTES)
+    keys = store.block_keys(range(4 * BLOCK_TOKENS))
+    for i, key in enumerate(keys[:3]):  # block 3 is missing: the chain ends there
+        store.put(key, memoryview(payload(i)))
+    store.flush()
+    buffer = bytearray(5 * BLOCK_BYTES)
+    uploads_waited = []
+    prefetch = storage_prefetch.StoragePrefetch(store, "wait_complete", 1.0, lambda: memoryview(buffer),
+                                                lambda: uploads_waited.append(True))
+    try:
+        prefetch.start("a", keys, 0)  # 4 blocks of the 5 the buffer holds
+        prefetch.start("b", keys, 2)  # 2 more: no room
+        assert prefetch.stats["skipped_requests"] == 1
+        claim = prefetch.claim("a", 1)  # its prefix grew by a block meanwhile
+        assert claim.ready(0) == 2 and claim.ready(1) == 1 and claim.ready(2) == 0
+        assert bytes(claim.data[:2 * BLOCK_BYTES]) == payload(1) + payload(2)
+        prefetch.release("a", claim, 2)
+        assert prefetch.stats["prefetched_blocks"] == 2
+        prefetch.start("b", keys, 0)  # a's range is free again
+        assert prefetch.stats["skipped_requests"] == 1 and uploads_waited
+        assert prefetch.claim("b", 0).ready(3) == 0  # waits for b's reader to stop
+        prefetch.forget("b")
+        assert prefetch.claim("b", 0) is None
+        prefetch.start("c", keys, 0)
+        assert prefetch.claim("c", 0).ready(0) == 3
+    finally:
+        prefetch.close()

@@ -100,9 +100,18 @@ class DeviceEngine:
     def kv_staging(self, nbytes: int) -> memoryview:
         return self.host_kv.staging(nbytes)
 
+    def kv_prefetch_buffer(self, nbytes: int):
+        """Reserves `nbytes` of host memory for disk blocks read ahead of their request; returns
+        a function that hands it out as a memoryview (host_kv.reserve_prefetch)."""
+        self.host_kv.reserve_prefetch(nbytes)
+        return self.host_kv.prefetch_buffer
+
     @torch.inference_mode()
     def upload_kv_tokens(self, slots: list[int], offset: int, source: memoryview | None = None) -> None:
         self.host_kv.upload_tokens(slots, offset, source)
+
+    def wait_kv_uploads(self) -> None:
+        self.host_kv.wait_uploads()
 
     def close_host_kv(self) -> None:
         self.host_kv.close()

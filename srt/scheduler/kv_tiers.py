@@ -17,7 +17,7 @@ import time
 from ...radix.storage import KVStorage
 from ...radix.tiered import TieredMatch, TieredRadixCache
 from .kv_memory import PageAllocator
-from .storage_prefetch import StoragePrefetch
+from .storage_prefetch import PREFETCH_MAX_BYTES, StoragePrefetch
 
 logger = logging.getLogger(__name__)
 
@@ -90,8 +90,9 @@ class CacheTiers:
 
     def _from_storage(self, key: list[int], namespace, match: TieredMatch, rid: str) -> tuple[TieredMatch, int]:
         """Extends `match` over the disk blocks that follow it: those the request's prefetch
-        read (storage_prefetch.py), or, without one, read now, a staging buffer's worth at a
-        time; each round written into fresh device slots, until the first miss."""
+        reads (storage_prefetch.py), uploaded as they arrive, or, without one, read now, a
+        staging buffer's worth at a time; each round written into fresh device slots, until
+        the first miss."""
         b = self.block_tokens
         have = match.matched_len
         if match.host_nodes or have + b > len(key):  # host part not loaded: no room on the device
@@ -103,17 +104,16 @@ class CacheTiers:
         per_round = max(1, STORAGE_ROUND_BYTES // block_bytes)
         first = i = have // b
         skip = have - i * b  # tokens of the first block already on the device
-        prefetched = self.prefetch.take(rid, first) if self.prefetch is not None else None
+        claim = self.prefetch.claim(rid, first) if self.prefetch is not None else None
         slots: list[int] = []
         while i < len(keys):
             batch = keys[i:i + per_round]
-            if prefetched is None:  # read into the engine's (pinned) staging buffer
+            if claim is None:  # read into the engine's (pinned) staging buffer
                 source, offset = None, 0
                 found = self.storage.get_many_into(batch, self.engine.kv_staging(len(batch) * block_bytes))
             else:  # uploaded from the prefetch's buffer as it is
-                source, ready = prefetched
-                found = max(0, min(len(batch), ready - (i - first)))
-                offset = (i - first) * block_bytes
+                source, offset = claim.data, (i - first) * block_bytes
+                found = min(len(batch), claim.ready(i - first))
             new = self._alloc(found * b - skip) if found else None
             if new is None:
                 break
@@ -121,8 +121,10 @@ class CacheTiers:
             self.engine.upload_kv_tokens(new, offset + skip * self.bytes_per_token, source)
             slots += new
             i, skip = i + found, 0
-            if found < len(batch):
+            if claim is None and found < len(batch):
                 break
+        if claim is not None:
+            self.prefetch.release(rid, claim, i - first)
         if not slots:
             return match, 0
         end = have + len(slots)
@@ -231,14 +233,15 @@ def refuse_unsupported_with_tiers(args) -> None:
                          "model's KV pool has no host tier); ngram speculation works")
 
 
-def make_storage(args, identity: str, block_tokens: int,
-                 bytes_per_token: int) -> tuple[KVStorage | None, StoragePrefetch | None]:
+def make_storage(args, engine, block_tokens: int) -> tuple[KVStorage | None, StoragePrefetch | None]:
     """The disk tier and its prefetcher, with --hicache-storage-backend."""
     cache = args.cache
     if cache.hicache_storage_backend is None:
         return None, None
     max_bytes = int(cache.hicache_storage_max_gb * 2**30) or None
-    storage = KVStorage(cache.hicache_storage_dir, identity, block_tokens, block_tokens * bytes_per_token, max_bytes)
+    storage = KVStorage(cache.hicache_storage_dir, engine.kv_identity, block_tokens,
+                        block_tokens * engine.kv_bytes_per_token, max_bytes)
+    buffer = engine.kv_prefetch_buffer(PREFETCH_MAX_BYTES)
     return storage, StoragePrefetch(storage, cache.hicache_storage_prefetch_policy,
-                                    cache.hicache_storage_prefetch_timeout)
+                                    cache.hicache_storage_prefetch_timeout, buffer, engine.wait_kv_uploads)
 

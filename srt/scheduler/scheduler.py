@@ -75,7 +75,7 @@ class Scheduler:
             self.tree = TieredRadixCache(self.allocator.capacity, self.allocator.free, self.engine.host_kv_tokens,
                                          page_size=args.cache.page_size, write_policy=args.cache.hicache_write_policy)
             block = storage_block_tokens(args.cache.page_size)
-            storage, prefetch = make_storage(args, self.engine.kv_identity, block, self.engine.kv_bytes_per_token)
+            storage, prefetch = make_storage(args, self.engine, block)
             self.tiers = CacheTiers(self.tree, self.allocator, self.engine, storage, block, prefetch)
         else:
             self.tree = RadixCache(self.allocator.capacity, self.allocator.free, page_size=args.cache.page_size,
