@@ -16,21 +16,30 @@ pytestmark = pytest.mark.gpu
 GREEDY = {"temperature": 0, "max_new_tokens": 16, "ignore_eos": True}
 
 
+# (head_dim, host slots, the 1500 host slots copied): two runs in a small tier; and a run that
+# crosses byte 256 MiB of a segment whose layers (307 MB each) are no divisor of the driver's
+# 256 MiB registration pieces, which CUDA refused as an invalid argument when the pieces
+# ignored the layers (HostSegments.piece_bytes).
+TIERS = {"two_runs": (128, 2048, list(range(100, 1000)) + list(range(1200, 1800))),
+         "registration_edge": (96, 400_000, list(range(349_000, 350_500)))}
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn], ids=["bf16", "fp8"])
-def test_host_round_trip_is_bit_exact(dtype, monkeypatch) -> None:
+@pytest.mark.parametrize("tier", list(TIERS))
+def test_host_round_trip_is_bit_exact(dtype, tier, monkeypatch) -> None:
     from radixlm.radix.tiered import KVMove
     from radixlm.srt.executor import host_loads
     from radixlm.srt.executor.host_kv import HostKVPool
     from radixlm.srt.executor.mem_pool import KVPool
 
     monkeypatch.setattr(host_loads, "CHUNK_BYTES", 256 << 10)  # 6 chunks a layer: the staging ring wraps
-    pool = KVPool(4096, 3, 2, 128, dtype, "cuda")
+    head_dim, host_size, host_slots = TIERS[tier]
+    pool = KVPool(4096, 3, 2, head_dim, dtype, "cuda")
     for buf in pool.k_buffers + pool.v_buffers:
         buf.view(torch.uint8).copy_(torch.randint(0, 120, buf.view(torch.uint8).shape, dtype=torch.uint8))
-    host = HostKVPool(pool, 2048, torch.device("cuda"))
+    host = HostKVPool(pool, host_size, torch.device("cuda"))
     try:
         src = random.Random(0).sample(range(4096), 1500)
-        host_slots = list(range(100, 1000)) + list(range(1200, 1800))  # two contiguous runs
         before = [b[:, src].clone() for b in pool.k_buffers + pool.v_buffers]
         host.run([KVMove("d2h", src, host_slots)])
         dst = [s for s in range(4096) if s not in set(src)][:1500]

@@ -213,6 +213,39 @@ def test_a_retracted_request_resumes_from_the_host_tier(engine, caplog) -> None:
         small.shutdown()
 
 
+def test_a_failed_upload_leaks_nothing(tmp_path: Path, reference, monkeypatch) -> None:
+    """A copy of disk blocks to the device that fails mid-admission (on an H100 a copy across
+    two pinned registrations did) fails that call, keeps no slot, lock or table row, and the
+    next call is served from the disk."""
+    from radixlm.srt.executor.host_kv import HostKVPool
+
+    ids = prompt(17, 600)
+    want = reference(ids)
+    args = written_to_disk(tmp_path, ids)
+    upload = HostKVPool.upload_tokens
+    calls = []
+
+    def fails_second(self, *a, **kw):  # a device error: the fault a GPU gave
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("CUDA error: invalid argument")
+        return upload(self, *a, **kw)
+
+    monkeypatch.setattr(HostKVPool, "upload_tokens", fails_second)
+    monkeypatch.setattr("radixlm.srt.scheduler.kv_tiers.STORAGE_ROUND_BYTES", 1)  # a block a round
+    eng = Engine(**args)
+    try:
+        with pytest.raises(RuntimeError, match="invalid argument"):
+            eng.generate(input_ids=ids, sampling_params=GREEDY)
+        assert_no_leak(eng)
+        assert eng.scheduler.req_table.available_size == len(eng.scheduler.req_table.table)
+        out = eng.generate(input_ids=ids, sampling_params=GREEDY)
+        assert out["output_ids"] == want and tiers(out)["storage"] == 9 * 64
+        assert_no_leak(eng)
+    finally:
+        eng.shutdown()
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("policy", ["best_effort", "timeout", "wait_complete"])
 def test_prefetch_policies_bound_the_wait_for_a_slow_disk(tmp_path: Path, reference, monkeypatch, policy) -> None:

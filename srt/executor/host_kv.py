@@ -260,8 +260,11 @@ class HostKVPool:
         wait_uploads() before that memory is written again."""
         n = len(device_slots)
         end = offset + n * self.bytes_per_token
-        data = self._staging[offset:end] if source is None else torch.frombuffer(source[offset:end], dtype=torch.uint8)
-        data = data.view(self.dtype).view(n, self.num_layers, *self.layer_shape).to(self.device, non_blocking=True)
+        if source is None:
+            data = self._staging[offset:end].to(self.device, non_blocking=True)
+        else:
+            data = self._upload_prefetched(torch.frombuffer(source[offset:end], dtype=torch.uint8))
+        data = data.view(self.dtype).view(n, self.num_layers, *self.layer_shape)
         if self.cuda:
             self._uploads_done = torch.cuda.Event()
             self._uploads_done.record()
@@ -269,6 +272,23 @@ class HostKVPool:
         idx = self.index(device_slots)
         for layer in range(self.num_layers):
             self.scatter_layer(layer, idx, data[:, layer])
+
+
+    def _upload_prefetched(self, host: torch.Tensor) -> torch.Tensor:
+        """Bytes of the prefetch buffer on the device, copied in pieces that each stay inside
+        one of the buffer's registrations with the driver (HostSegments.piece_bytes)."""
+        if not self.cuda:
+            return host  # scattered into the pool at once, on this thread
+        segments = self._prefetch_segments
+        piece = segments.piece_bytes(0)
+        out = torch.empty(host.numel(), dtype=torch.uint8, device=self.device)
+        start = host.data_ptr() - segments.get(0).data_ptr()
+        done = 0
+        while done < host.numel():
+            size = min(host.numel() - done, piece - (start + done) % piece)
+            out[done:done + size].copy_(host[done:done + size], non_blocking=True)
+            done += size
+        return out
 
 
 def host_tier_tokens(bytes_per_token: int, tokens: int | None, size_bytes: int | None) -> int:

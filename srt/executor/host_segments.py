@@ -56,6 +56,17 @@ class HostSegments:
                 for s in self._segments]
         return sum(s.numel() * s.element_size() for s in done if isinstance(s, torch.Tensor))
 
+    def piece_bytes(self, index: int) -> int:
+        """Segment `index` is registered with the driver in pieces of this many bytes (the last
+        one shorter). Short calls, so launches wait less, each of whole rows of the first
+        dimension (a host tier's layers): CUDA refuses a copy that spans two registrations as an
+        invalid argument, and a layer's run of slots is one copy. A row longer than
+        REGISTER_BYTES is a piece alone."""
+        shape = self._shape(index)
+        nbytes = torch.Size(shape).numel() * self._dtype.itemsize
+        row_bytes = nbytes // shape[0] if shape[0] else nbytes
+        return max(1, REGISTER_BYTES // row_bytes) * row_bytes
+
     def _pin(self, index: int) -> torch.Tensor:
         shape = self._shape(index)
         nbytes = torch.Size(shape).numel() * self._dtype.itemsize
@@ -66,8 +77,9 @@ class HostSegments:
         tensor.zero_()  # fault the pages in here, not inside the driver call
         base = tensor.data_ptr()
         registered = []
-        for offset in range(0, nbytes, REGISTER_BYTES):  # short driver calls: launches wait less
-            size = min(REGISTER_BYTES, nbytes - offset)
+        step = self.piece_bytes(index)
+        for offset in range(0, nbytes, step):
+            size = min(step, nbytes - offset)
             err = torch.cuda.cudart().cudaHostRegister(base + offset, size, 0)
             if int(err) != 0:  # still usable, only slower: copies from it are synchronous
                 logger.warning("host KV segment %d: cudaHostRegister failed (%s); part of it stays pageable",

@@ -63,22 +63,28 @@ class CacheTiers:
         """`match` (locked by the caller) extended over the host part and then over disk
         blocks; moves the lock to the returned match's node. Returns it with the tokens that
         came from the host and from disk. Nothing is loaded for a request of `seq_len` tokens
-        that could not fit in the device pool now (it waits; loading would be thrown away)."""
+        that could not fit in the device pool now (it waits; loading would be thrown away).
+        On an exception (a failed copy) the lock is released and nothing is kept."""
         host = storage = 0
         room = self.allocator.available_size + self.tree.evictable_size
         if seq_len - match.matched_len > room:  # it waits; its prefetch goes on
             self.stats["host_miss_tokens"] += match.host_len
             return match, 0, 0
-        if match.host_nodes:
-            loaded = self.tree.load_back(match, self._alloc)
-            if loaded is not match:
-                host = loaded.matched_len - match.matched_len
-                self._relock(match, loaded)
-                match = loaded
-            else:
-                self.stats["host_miss_tokens"] += match.host_len
-        if self.storage is not None:
-            match, storage = self._from_storage(key, namespace, match, rid)
+        try:
+            if match.host_nodes:
+                loaded = self.tree.load_back(match, self._alloc)
+                if loaded is not match:
+                    host = loaded.matched_len - match.matched_len
+                    self._relock(match, loaded)
+                    match = loaded
+                else:
+                    self.stats["host_miss_tokens"] += match.host_len
+            if self.storage is not None:
+                match, storage = self._from_storage(key, namespace, match, rid)
+        except BaseException:
+            self.tree.unlock(match.node)  # the caller's lock, or where it moved
+            self.forget(rid)
+            raise
         # The copies stay queued until the step is launched: the load-backs of every request
         # admitted into it then run as one batch, layer by layer, beside the prefill.
         self.stats["host_hit_tokens"] += host
@@ -106,25 +112,32 @@ class CacheTiers:
         skip = have - i * b  # tokens of the first block already on the device
         claim = self.prefetch.claim(rid, first) if self.prefetch is not None else None
         slots: list[int] = []
-        while i < len(keys):
-            batch = keys[i:i + per_round]
-            if claim is None:  # read into the engine's (pinned) staging buffer
-                source, offset = None, 0
-                found = self.storage.get_many_into(batch, self.engine.kv_staging(len(batch) * block_bytes))
-            else:  # uploaded from the prefetch's buffer as it is
-                source, offset = claim.data, (i - first) * block_bytes
-                found = min(len(batch), claim.ready(i - first))
-            new = self._alloc(found * b - skip) if found else None
-            if new is None:
-                break
-            self.flush_moves()  # eviction's copies read slots this write may reuse
-            self.engine.upload_kv_tokens(new, offset + skip * self.bytes_per_token, source)
-            slots += new
-            i, skip = i + found, 0
-            if claim is None and found < len(batch):
-                break
-        if claim is not None:
-            self.prefetch.release(rid, claim, i - first)
+        new = None
+        try:
+            while i < len(keys):
+                batch = keys[i:i + per_round]
+                if claim is None:  # read into the engine's (pinned) staging buffer
+                    source, offset = None, 0
+                    found = self.storage.get_many_into(batch, self.engine.kv_staging(len(batch) * block_bytes))
+                else:  # uploaded from the prefetch's buffer as it is
+                    source, offset = claim.data, (i - first) * block_bytes
+                    found = min(len(batch), claim.ready(i - first))
+                new = self._alloc(found * b - skip) if found else None
+                if new is None:
+                    break
+                self.flush_moves()  # eviction's copies read slots this write may reuse
+                self.engine.upload_kv_tokens(new, offset + skip * self.bytes_per_token, source)
+                slots += new
+                new = None
+                i, skip = i + found, 0
+                if claim is None and found < len(batch):
+                    break
+        except BaseException:  # the slots taken are not in the tree yet: give them back
+            self.allocator.free(slots + (new or []))
+            raise
+        finally:
+            if claim is not None:
+                self.prefetch.release(rid, claim, i - first)
         if not slots:
             return match, 0
         end = have + len(slots)

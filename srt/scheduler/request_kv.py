@@ -43,7 +43,12 @@ class RequestKV:
         else:  # the prefix's host and disk parts are loaded back now, before its prefill
             match = self.tree.match(key, namespace=req.namespace)
             self.tree.lock(match.node)
-            match, host, storage = self.tiers.extend(key, req.namespace, match, req.seq_len, req.rid)
+            try:
+                match, host, storage = self.tiers.extend(key, req.namespace, match, req.seq_len, req.rid)
+            except BaseException:  # extend let go of its lock and slots; the row goes too
+                self.req_table.free(row)
+                req.req_pool_idx = None
+                raise
         req.last_node = match.node
         req.kv_len = req.cached_len = match.matched_len
         if not req.output_ids:
