@@ -1,35 +1,51 @@
 """A batch-invariant GEMM for CUDA (--enable-deterministic-inference): y = x @ w^T (+ b).
 
 cuBLAS picks its kernel, tile and split-K from the matrix shapes, so a row's bits change with
-the number of rows in the batch. This kernel has one configuration for every shape: tiles of
-BLOCK_M x BLOCK_N, fp32 accumulation, the same tensor-core instruction for every tile, and the K
-axis cut into chunks of CHUNK_K positions from 0 (BLOCK_K steps each, in order). Each chunk is
-accumulated from zero and the chunks' sums are added in K order. A call of few tiles (a decode
-step: o_proj and down_proj have 32 column tiles at 4096 outputs) runs split: a program per
-(tile, chunk) writes its chunk's sum and a second kernel adds them in order; every other call
-walks the chunks in one program and adds as it goes. Both add the same fp32 values in the same
-order, so a row's result depends on its own values and the weight only, split or not.
+the number of rows in the batch. Here every output element is one fp32 sum walked over K from 0
+to the end in tensor-core steps, never split, whatever the call's shape; only which rows and
+columns a program computes (its tile) follows the shape. A tile's size does not change a row's
+sums: on an H100 (2026-12-06) tiles of 64-128 rows, 16-256 columns and K steps of 64-256
+gave every output the same bits (`benchmarks/bench_gpu_invariant_gemm.py` checks each
+configuration it times; tests/test_gpu_deterministic.py the row counts). So a call of few rows
+(decode) takes narrow tiles, enough of them to keep every SM streaming the weight, and a call
+of many rows (prefill) takes wide ones, which load each weight tile for more rows.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
-BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M = 64, 128, 64, 8
-CHUNK_K = 1024  # K positions a split program sums (a multiple of BLOCK_K)
-NUM_WARPS, NUM_STAGES = 4, 4
-# Calls of fewer tiles than this run split, when their chunks' sums fit SPLIT_WORKSPACE_BYTES.
-SPLIT_BELOW_TILES = 64
-SPLIT_WORKSPACE_BYTES = 64 << 20
-_REDUCE_BLOCK = 1024
+
+class Tiles(NamedTuple):
+    """A launch configuration: a program's tile and K step, its warps and pipeline stages."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+
+GROUP_M = 8
+# Few rows: 64-row tiles (a tensor-core instruction's height), the widest that still gives
+# every other SM a program, the weight streamed in long K steps. Many rows: wide tiles, which
+# load each weight tile for more rows. Picked from bench_gpu_invariant_gemm on an H100
+# (2026-12-06): e.g. at one row o_proj ran 1.07x cuBLAS in 64 x 32 tiles (128 programs) and
+# 0.89x in 64 x 64 (64 programs); at 1024 rows 128 x 256 tiles beat 64 x 128 for o_proj and
+# down_proj (0.73x cuBLAS against 0.63x) and at 4096 for every projection (0.68-0.78x).
+NARROW = (Tiles(64, 16, 256, 4, 4), Tiles(64, 32, 256, 4, 4), Tiles(64, 64, 128, 4, 4), Tiles(64, 128, 64, 4, 4))
+WIDE = Tiles(128, 256, 64, 8, 3)
+WIDE_FROM_ROWS = 1024
 
 
 @triton.jit
-def _gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
+def _gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
                  HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 GROUP_M: tl.constexpr, CHUNK_K: tl.constexpr, SPLIT: tl.constexpr):
+                 GROUP_M: tl.constexpr, EVEN_K: tl.constexpr):
     pid = tl.program_id(0)
     # Grouped order: GROUP_M row tiles share each column tile while it is in L2.
     tiles_m = tl.cdiv(M, BLOCK_M)
@@ -42,64 +58,44 @@ def _gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, M, N, K, stride_xm, strid
     rows = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
     ks = tl.arange(0, BLOCK_K)
-    k_lo = 0
-    k_hi = K
-    if SPLIT:  # this program's chunk only
-        k_lo = tl.program_id(1) * CHUNK_K
-        k_hi = tl.minimum(k_lo + CHUNK_K, K)
-    x_tile = x_ptr + rows[:, None] * stride_xm + k_lo + ks[None, :]
-    w_tile = w_ptr + cols[None, :] * stride_wn + k_lo + ks[:, None]
+    x_rows = x_ptr + rows[:, None].to(tl.int64) * stride_xm + ks[None, :]
+    w_cols = w_ptr + cols[None, :].to(tl.int64) * stride_wn + ks[:, None]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k in range(k_lo, k_hi, BLOCK_K):
-        x = tl.load(x_tile, mask=(rows[:, None] < M) & (k + ks[None, :] < K), other=0.0)
-        w = tl.load(w_tile, mask=(cols[None, :] < N) & (k + ks[:, None] < K), other=0.0)
+    for k in range(0, K, BLOCK_K):
+        if EVEN_K:
+            x = tl.load(x_rows + k, mask=rows[:, None] < M, other=0.0)
+            w = tl.load(w_cols + k, mask=cols[None, :] < N, other=0.0)
+        else:
+            x = tl.load(x_rows + k, mask=(rows[:, None] < M) & (k + ks[None, :] < K), other=0.0)
+            w = tl.load(w_cols + k, mask=(cols[None, :] < N) & (k + ks[:, None] < K), other=0.0)
         acc = tl.dot(x, w, acc)
-        if not SPLIT:  # a chunk ends: add its sum to the total, start the next from zero
-            if (k + BLOCK_K) % CHUNK_K == 0:
-                total = total + acc
-                acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        x_tile += BLOCK_K
-        w_tile += BLOCK_K
-    # The last chunk (a split program's only one; else one shorter than CHUNK_K, or zeros).
-    total = total + acc
-    inside = (rows[:, None] < M) & (cols[None, :] < N)
-    if SPLIT:
-        part = part_ptr + (tl.program_id(1) * M + rows[:, None]).to(tl.int64) * N + cols[None, :]
-        tl.store(part, total, mask=inside)
-    else:
-        if HAS_BIAS:
-            total += tl.load(b_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
-        tl.store(y_ptr + rows[:, None] * stride_ym + cols[None, :], total.to(y_ptr.dtype.element_ty), mask=inside)
-
-
-@triton.jit
-def _reduce_kernel(part_ptr, b_ptr, y_ptr, M, N, chunks, stride_ym, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
-    """A split call's output: its chunks' sums added in K order, as the sequential kernel adds them."""
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    inside = offs < M * N
-    total = tl.zeros((BLOCK,), dtype=tl.float32)
-    for c in range(0, chunks):
-        total = total + tl.load(part_ptr + c * M * N + offs, mask=inside, other=0.0)
-    col = offs % N
     if HAS_BIAS:
-        total += tl.load(b_ptr + col, mask=inside, other=0.0).to(tl.float32)
-    tl.store(y_ptr + (offs // N) * stride_ym + col, total.to(y_ptr.dtype.element_ty), mask=inside)
+        acc += tl.load(b_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+    tl.store(y_ptr + rows[:, None].to(tl.int64) * stride_ym + cols[None, :], acc.to(y_ptr.dtype.element_ty),
+             mask=(rows[:, None] < M) & (cols[None, :] < N))
 
 
-def split_chunks(m: int, n: int, k: int) -> int:
-    """K chunks of a call that runs split (few tiles, its chunks' sums within the workspace
-    bound), else 0: the call walks its chunks in one program per tile."""
-    chunks = triton.cdiv(k, CHUNK_K)
-    tiles = triton.cdiv(m, BLOCK_M) * triton.cdiv(n, BLOCK_N)
-    if chunks < 2 or tiles >= SPLIT_BELOW_TILES or chunks * m * n * 4 > SPLIT_WORKSPACE_BYTES:
-        return 0
-    return chunks
+def _programs(m: int, n: int, tiles: Tiles) -> int:
+    return triton.cdiv(m, tiles.block_m) * triton.cdiv(n, tiles.block_n)
 
 
-def invariant_linear_cuda(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def tiles_for(m: int, n: int, sms: int) -> Tiles:
+    """WIDE from WIDE_FROM_ROWS rows on; else the widest NARROW tile giving at least half as
+    many programs as the GPU has SMs (the narrowest when none does)."""
+    if m >= WIDE_FROM_ROWS:
+        return WIDE
+    enough = [t for t in NARROW if 2 * _programs(m, n, t) >= sms]
+    return enough[-1] if enough else NARROW[0]
+
+
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+
+
+def invariant_linear_cuda(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                          tiles: Tiles | None = None) -> torch.Tensor:
     """x [M, K] @ weight [N, K]^T (+ bias [N]) -> [M, N] in x's dtype, each row the same bits
-    whatever M is."""
+    whatever M is. tiles: a launch configuration other than tiles_for's (benchmarks)."""
     if x.stride(-1) != 1:
         x = x.contiguous()
     m, k = x.shape
@@ -107,16 +103,10 @@ def invariant_linear_cuda(x: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0:
         return y
-    chunks = split_chunks(m, n, k)
-    part = torch.empty(chunks * m * n, dtype=torch.float32, device=x.device) if chunks else y
-    b = bias if bias is not None else weight
-    grid = (triton.cdiv(m, BLOCK_M) * triton.cdiv(n, BLOCK_N), max(chunks, 1))
-    _gemm_kernel[grid](x, weight, b, y, part, m, n, k, x.stride(0), weight.stride(0), y.stride(0),
-                       HAS_BIAS=bias is not None, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, GROUP_M=GROUP_M,
-                       CHUNK_K=CHUNK_K, SPLIT=chunks > 0, num_warps=NUM_WARPS, num_stages=NUM_STAGES,
-                       enable_fp_fusion=False)
-    if chunks:
-        _reduce_kernel[(triton.cdiv(m * n, _REDUCE_BLOCK),)](part, b, y, m, n, chunks, y.stride(0),
-                                                             HAS_BIAS=bias is not None, BLOCK=_REDUCE_BLOCK,
-                                                             num_warps=4, enable_fp_fusion=False)
+    tiles = tiles or tiles_for(m, n, _sm_count(x.device))
+    _gemm_kernel[(_programs(m, n, tiles),)](
+        x, weight, bias if bias is not None else weight, y, m, n, k, x.stride(0), weight.stride(0), y.stride(0),
+        HAS_BIAS=bias is not None, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
+        GROUP_M=GROUP_M, EVEN_K=k % tiles.block_k == 0, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+        enable_fp_fusion=False)
     return y
