@@ -4,9 +4,9 @@ cuBLAS picks its kernel, tile and split-K from the matrix shapes, so a row's bit
 the number of rows in the batch. Here every output element is one fp32 sum walked over K from 0
 to the end in tensor-core steps, never split, whatever the call's shape; only which rows and
 columns a program computes (its tile) follows the shape. A tile's size does not change a row's
-sums: on an H100 (2026-12-06) tiles of 64-128 rows, 16-256 columns and K steps of 64-256
-gave every output the same bits (`benchmarks/bench_gpu_invariant_gemm.py` checks each
-configuration it times; tests/test_gpu_deterministic.py the row counts). So a call of few rows
+sums: on an H100 tiles of 64-128 rows, 16-256 columns and K steps of 64-256 gave every
+output the same bits (docs/deterministic.md; `benchmarks/bench_gpu_invariant_gemm.py` checks
+each configuration it times, tests/test_gpu_deterministic.py the row counts). So a call of few rows
 (decode) takes narrow tiles, enough of them to keep every SM streaming the weight, and a call
 of many rows (prefill) takes wide ones, which load each weight tile for more rows.
 """
@@ -33,10 +33,8 @@ class Tiles(NamedTuple):
 GROUP_M = 8
 # Few rows: 64-row tiles (a tensor-core instruction's height), the widest that still gives
 # every other SM a program, the weight streamed in long K steps. Many rows: wide tiles, which
-# load each weight tile for more rows. Picked from bench_gpu_invariant_gemm on an H100
-# (2026-12-06): e.g. at one row o_proj ran 1.07x cuBLAS in 64 x 32 tiles (128 programs) and
-# 0.89x in 64 x 64 (64 programs); at 1024 rows 128 x 256 tiles beat 64 x 128 for o_proj and
-# down_proj (0.73x cuBLAS against 0.63x) and at 4096 for every projection (0.68-0.78x).
+# load each weight tile for more rows. Picked from bench_gpu_invariant_gemm's sweep
+# (benchmarks/results/gpu_h100_invariant_gemm.jsonl; docs/deterministic.md).
 NARROW = (Tiles(64, 16, 256, 4, 4), Tiles(64, 32, 256, 4, 4), Tiles(64, 64, 128, 4, 4), Tiles(64, 128, 64, 4, 4))
 WIDE = Tiles(128, 256, 64, 8, 3)
 WIDE_FROM_ROWS = 1024

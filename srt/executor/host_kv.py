@@ -239,9 +239,8 @@ class HostKVPool:
     def reserve_prefetch(self, nbytes: int) -> None:
         """Reserves the host memory that disk blocks are read into while their request waits
         (storage_prefetch.py): pinned on CUDA, from now on, in the background. One buffer,
-        reused, because reading a block into fresh memory faults its pages in one by one: on
-        the development machine (2026-12-06, one thread) a cached file read into fresh memory
-        at 0.4 GB/s and into touched memory at 12.5."""
+        reused, because reading a block into fresh memory faults its pages in one by one, 30x
+        slower than a read into touched memory (docs/hicache.md)."""
         self._prefetch_segments = HostSegments(1, lambda _: (nbytes,), torch.uint8, pinned=self.cuda)
 
     def prefetch_buffer(self) -> memoryview:
