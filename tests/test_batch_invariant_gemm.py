@@ -40,3 +40,44 @@ print(problems or "ok")
 
 def test_a_row_has_the_same_bits_at_every_row_count_whatever_its_tile():
     assert run_in_interpreter(ROW_BY_ROW_DOT + CHECK) == "ok"
+
+
+def _linear(x, w, b):
+    return x @ w.T + (b if b is not None else 0)
+
+
+def test_a_faster_product_is_used_only_for_shapes_where_it_gave_the_same_bits():
+    """cuBLAS stands in for the Triton kernel only at row counts where it matched it. Here the
+    fast product differs (as a split-K kernel would) at 128 padded rows: those calls keep the
+    reference's bits, the others switch to the fast one once proven."""
+    import torch
+
+    from radixlm.srt.executor.batch_invariant_gemm import ProvenFastPath
+
+    calls = {"fast": 0, "reference": 0}
+
+    def fast(x, w, b):
+        calls["fast"] += 1
+        y = _linear(x, w, b)
+        return y + 1e-3 if x.shape[0] == 128 else y
+
+    def reference(x, w, b):
+        calls["reference"] += 1
+        return _linear(x, w, b)
+
+    path = ProvenFastPath(fast, reference, min_rows=64, row_bucket=64)
+    torch.manual_seed(0)
+    x, w = torch.randn(200, 32), torch.randn(48, 32)
+    assert path.run(x[:10], w, None) is None  # too few rows: the caller runs the reference
+    for m in (100, 70, 64, 64, 150):
+        y = path.run(x[:m], w, None)
+        if m == 70:  # padded to 128 rows, which failed its proof at 100 rows: not tried again
+            assert y is None
+        else:
+            assert y.shape == (m, 48) and torch.equal(y, reference(x[:m], w, None)), m
+    assert path.same_bits == {(128, 48, 32, torch.float32, torch.float32, None, None): False,
+                              (64, 48, 32, torch.float32, torch.float32, None, None, 32, x.data_ptr() % 256): True,
+                              (192, 48, 32, torch.float32, torch.float32, None, None): True}
+    calls.update(fast=0, reference=0)
+    path.run(x[:64], w, None), path.run(x[:150], w, None), path.run(x[:120], w, None)
+    assert calls == {"fast": 2, "reference": 0}  # proven shapes run the fast product alone; None for 128

@@ -7,8 +7,8 @@ same bits at every row count but 1, so each projection keeps a oneDNN-packed cop
 and a single row is padded to 2. MKL's sgemm (F.linear) varies below 4 rows per thread, so the
 attention's batched products, which run through it, pad to 4 (pad_rows). The measurements, and
 the MKL-only variant that made decode slower, are in docs/deterministic.md.
-On CUDA the projections run in our own Triton GEMM of one configuration
-(batch_invariant_gemm.py): no split-K, one tile shape whatever the row count.
+On CUDA the projections run in our own Triton GEMM, which never splits K, or in cuBLAS at the
+shapes where cuBLAS was seen to give that kernel's bits (batch_invariant_gemm.py).
 """
 
 from __future__ import annotations

@@ -9,6 +9,12 @@ output the same bits (docs/deterministic.md; `benchmarks/bench_gpu_invariant_gem
 each configuration it times, tests/test_gpu_deterministic.py the row counts). So a call of few rows
 (decode) takes narrow tiles, enough of them to keep every SM streaming the weight, and a call
 of many rows (prefill) takes wide ones, which load each weight tile for more rows.
+
+cuBLAS is faster at prefill sizes, and where its kernel for a shape does not split K it sums in
+the same order (tensor-core steps walked over K from 0) and so gives the same bits. Which shapes
+those are is cuBLAS's choice, so it is proven, not assumed: the first call of each (row count
+rounded up to a multiple of 64, N, K, dtypes) runs both and keeps cuBLAS for that shape only if every
+output matched (ProvenFastPath). A call's bits are therefore always the Triton kernel's.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
@@ -90,18 +97,69 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
 
 
+class ProvenFastPath:
+    """A faster product used per shape only where it gave the reference's bits: the first call
+    of each shape key runs both and keeps the fast one for that key only if every output
+    matched. A key first met while a CUDA graph is being captured (no host sync allowed) stays
+    unproven and runs the reference until an eager call proves it. fast and reference:
+    (x, weight, bias) -> x @ weight^T (+ bias). Calls of fewer than min_rows rows run the
+    reference; row counts are padded up to a multiple of row_bucket, so few keys need a proof."""
+
+    def __init__(self, fast, reference, min_rows: int, row_bucket: int):
+        self.fast, self.reference = fast, reference
+        self.min_rows, self.row_bucket = min_rows, row_bucket
+        self.same_bits: dict[tuple, bool] = {}
+
+    def run(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
+        """The product, with the reference's bits; None when the call is too small to try the
+        fast one or its shape failed the proof (the caller runs the reference)."""
+        m = x.shape[0]
+        if m < self.min_rows:
+            return None
+        rows = -(-m // self.row_bucket) * self.row_bucket
+        # cuBLAS picks its kernel by shape, strides and pointer alignment: all are in the key.
+        key = (rows, weight.shape[0], weight.shape[1], x.dtype, weight.dtype, None if bias is None else bias.dtype,
+               x.device.index) + ((x.stride(0), x.data_ptr() % 256) if rows == m else ())
+        same = self.same_bits.get(key)
+        if same is False:
+            return None
+        padded = x if rows == m else torch.cat([x, x.new_zeros(rows - m, x.shape[1])])
+        if same:
+            return self.fast(padded, weight, bias)[:m]
+        ours = self.reference(padded, weight, bias)
+        if not (x.is_cuda and torch.cuda.is_current_stream_capturing()):
+            self.same_bits[key] = torch.equal(self.fast(padded, weight, bias), ours)
+        return ours[:m]
+
+
+def _picked_triton_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return _triton_linear(x, weight, bias, tiles_for(x.shape[0], weight.shape[0], _sm_count(x.device)))
+
+
+# cuBLAS from 64 rows on: below that the Triton kernel is about as fast (and cuBLAS splits K).
+CUBLAS = ProvenFastPath(F.linear, _picked_triton_linear, min_rows=64, row_bucket=64)
+
+
 def invariant_linear_cuda(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                           tiles: Tiles | None = None) -> torch.Tensor:
     """x [M, K] @ weight [N, K]^T (+ bias [N]) -> [M, N] in x's dtype, each row the same bits
-    whatever M is. tiles: a launch configuration other than tiles_for's (benchmarks)."""
+    whatever M is: cuBLAS's where proven equal (CUBLAS), else the Triton kernel's.
+    tiles: run the Triton kernel in this launch configuration (benchmarks)."""
     if x.stride(-1) != 1:
         x = x.contiguous()
+    if tiles is None:
+        proven = CUBLAS.run(x, weight, bias)
+        if proven is not None:
+            return proven
+    return _triton_linear(x, weight, bias, tiles) if tiles else _picked_triton_linear(x, weight, bias)
+
+
+def _triton_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tiles: Tiles) -> torch.Tensor:
     m, k = x.shape
     n = weight.shape[0]
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0:
         return y
-    tiles = tiles or tiles_for(m, n, _sm_count(x.device))
     _gemm_kernel[(_programs(m, n, tiles),)](
         x, weight, bias if bias is not None else weight, y, m, n, k, x.stride(0), weight.stride(0), y.stride(0),
         HAS_BIAS=bias is not None, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
