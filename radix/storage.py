@@ -26,8 +26,10 @@ import queue
 import re
 import threading
 import time
-from collections.abc import Hashable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections import deque
+from collections.abc import Hashable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from contextlib import closing
 from pathlib import Path
 from typing import Self
 
@@ -52,6 +54,7 @@ STALE_TEMP_S = 3600.0
 # Blocks read at once by get_many_into: reading and checking a block keep a core busy (both
 # release the GIL) or wait on the disk, so one thread per core, at least 8 and at most 16.
 READ_THREADS = max(8, min(16, os.cpu_count() or 8))
+READ_AHEAD = 2 * READ_THREADS  # blocks of one chain queued for the readers at a time
 # Eviction goes below the bound by this fraction, so a full tier rescans once per batch of
 # writes rather than once per write.
 EVICT_LOW_WATER = 0.9
@@ -229,19 +232,49 @@ class KVStorage:
 
     def get_many_into(self, keys: Sequence[str], out: memoryview) -> int:
         """Reads the blocks of `keys` into consecutive `block_bytes` slices of `out`, several at
-        once (file reads and checksums release the GIL); returns how many leading blocks were
-        read: a chain is only usable up to its first miss."""
+        once; returns how many leading blocks were read: a chain is only usable up to its
+        first miss."""
+        if len(keys) <= 1:
+            return int(bool(keys) and self.get_into(keys[0], out[:self.block_bytes]))
+        found = 0
+        with closing(self.read_in_order(keys, out)) as reads:
+            for ok in reads:
+                if not ok:
+                    break
+                found += 1
+        return found
+
+    def read_in_order(self, keys: Sequence[str], out: memoryview) -> Iterator[bool]:
+        """Reads the blocks of `keys` into consecutive `block_bytes` slices of `out` on
+        READ_THREADS threads (file reads and checksums release the GIL) and yields, in key
+        order, whether each was read, as soon as it and those before it are done: no block
+        waits for a slower one read beside it. At most READ_AHEAD blocks are queued at a time,
+        so other reads queue behind a long chain's few. Closing the iterator early skips the
+        blocks not begun and returns once those in flight are done, so `out` may be reused."""
         size = self.block_bytes
         if len(out) < len(keys) * size:
             raise ValueError(f"out has {len(out)} bytes, {len(keys)} blocks need {len(keys) * size}")
-        if len(keys) <= 1:
-            return int(bool(keys) and self.get_into(keys[0], out[:size]))
         with self._lock:
             if self._readers is None:
                 self._readers = ThreadPoolExecutor(READ_THREADS, thread_name_prefix="kv-storage-reader")
-        found = list(self._readers.map(lambda i: self.get_into(keys[i], out[i * size:(i + 1) * size]),
-                                       range(len(keys))))
-        return found.index(False) if False in found else len(found)
+
+        def submit(i: int) -> Future:
+            return self._readers.submit(self.get_into, keys[i], out[i * size:(i + 1) * size])
+
+        reads = deque(submit(i) for i in range(min(READ_AHEAD, len(keys))))
+        queued = len(reads)
+        try:
+            while reads:
+                ok = reads[0].result()
+                reads.popleft()
+                if queued < len(keys):
+                    reads.append(submit(queued))
+                    queued += 1
+                yield ok
+        finally:
+            for read in reads:
+                read.cancel()
+            wait(reads)
 
     # ---- writes ----
 

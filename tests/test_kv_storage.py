@@ -296,7 +296,7 @@ def test_prefetch_shares_one_buffer_and_reuses_freed_ranges(store, monkeypatch):
         prefetch.start("b", keys, 2)  # 2 more: no room
         assert prefetch.stats["skipped_requests"] == 1
         claim = prefetch.claim("a", 1)  # its prefix grew by a block meanwhile
-        assert claim.ready(0) == 2 and claim.ready(1) == 1 and claim.ready(2) == 0
+        assert claim.ready(0, 3) == 2 and claim.ready(1) == 1 and claim.ready(2) == 0
         assert bytes(claim.data[:2 * BLOCK_BYTES]) == payload(1) + payload(2)
         prefetch.release("a", claim, 2)
         assert prefetch.stats["prefetched_blocks"] == 2
@@ -306,6 +306,6 @@ def test_prefetch_shares_one_buffer_and_reuses_freed_ranges(store, monkeypatch):
         prefetch.forget("b")
         assert prefetch.claim("b", 0) is None
         prefetch.start("c", keys, 0)
-        assert prefetch.claim("c", 0).ready(0) == 3
+        assert prefetch.claim("c", 0).ready(0, 4) == 3
     finally:
         prefetch.close()

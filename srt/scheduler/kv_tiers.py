@@ -121,7 +121,7 @@ class CacheTiers:
                     found = self.storage.get_many_into(batch, self.engine.kv_staging(len(batch) * block_bytes))
                 else:  # uploaded from the prefetch's buffer as it is
                     source, offset = claim.data, (i - first) * block_bytes
-                    found = min(len(batch), claim.ready(i - first))
+                    found = min(len(batch), claim.ready(i - first, len(batch)))
                 new = self._alloc(found * b - skip) if found else None
                 if new is None:
                     break
@@ -255,6 +255,7 @@ def make_storage(args, engine, block_tokens: int) -> tuple[KVStorage | None, Sto
     storage = KVStorage(cache.hicache_storage_dir, engine.kv_identity, block_tokens,
                         block_tokens * engine.kv_bytes_per_token, max_bytes)
     buffer = engine.kv_prefetch_buffer(PREFETCH_MAX_BYTES)
+    buffer()  # pinned before the server says it is ready: a first request must not wait for it
     return storage, StoragePrefetch(storage, cache.hicache_storage_prefetch_policy,
                                     cache.hicache_storage_prefetch_timeout, buffer, engine.wait_kv_uploads)
 

@@ -2,8 +2,8 @@
 stop the scheduler (and every running request) on the disk.
 
 When a request arrives, the blocks of its prompt beyond what the device and host tiers hold are
-read by a background thread, a few at a time, up to the chain's first miss, into one reused
-host buffer (the engine's: pinned on CUDA, so blocks go on to the device at the link's speed).
+read in the background, several at once and each made available as soon as those before it
+are, up to the chain's first miss, into one reused host buffer (the engine's: pinned on CUDA, so blocks go on to the device at the link's speed).
 At admission the request claims its blocks and uploads them as they arrive; the policy says
 how long it waits for the next ones (`--hicache-storage-prefetch-policy`, SGLang's names):
 `wait_complete` until the chain ends, `timeout` until `--hicache-storage-prefetch-timeout`
@@ -20,12 +20,9 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from ...radix.storage import READ_THREADS, KVStorage
+from ...radix.storage import KVStorage
 
 PREFETCH_MAX_BYTES = 2 << 30  # the buffer all waiting requests' blocks share
-# Blocks read at once by a prefetch (storage.get_many_into), one per reader thread: how often
-# a claim sees more blocks arrive.
-ROUND_BLOCKS = READ_THREADS
 POLICIES = ("best_effort", "wait_complete", "timeout")
 
 
@@ -45,8 +42,8 @@ class Prefetch:
 
 
 class Claim:
-    """A request's prefetched blocks from block `first` on, taken at its admission: `ready(j)`
-    says how many from its j-th on are there (waiting as the policy allows), `data` holds them.
+    """A request's prefetched blocks from block `first` on, taken at its admission: `ready(j, n)`
+    says how many from its j-th on are there (waiting for n as the policy allows), `data` holds them.
     Release it (StoragePrefetch.release) after the uploads are queued."""
 
     def __init__(self, job: Prefetch, skip: int, data: memoryview, deadline: float | None, waits: bool):
@@ -54,9 +51,11 @@ class Claim:
         self._deadline, self._waits = deadline, waits
         self.waited = 0.0
 
-    def ready(self, j: int) -> int:
+    def ready(self, j: int, want: int = 1) -> int:
+        """How many blocks from the claim's j-th on are read, once `want` of them are (or the
+        read ended, or the policy stops waiting)."""
         job = self.job
-        need = self.skip + j + 1
+        need = self.skip + j + want
         if self._waits and job.found < need and not job.done:
             start = time.perf_counter()
             with job.arrived:
@@ -105,18 +104,16 @@ class StoragePrefetch:
         self._worker.submit(self._read, job)
 
     def _read(self, job: Prefetch) -> None:
-        size = self.storage.block_bytes
-        view = self._buffer[job.offset:job.offset + job.size]
+        reads = self.storage.read_in_order(job.keys, self._buffer[job.offset:job.offset + job.size])
         try:
-            while job.found < len(job.keys) and not job.cancelled:
-                batch = job.keys[job.found:job.found + ROUND_BLOCKS]
-                got = self.storage.get_many_into(batch, view[job.found * size:(job.found + len(batch)) * size])
-                with job.arrived:
-                    job.found += got
-                    job.arrived.notify_all()
-                if got < len(batch):
+            for ok in reads:
+                if not ok or job.cancelled:
                     break
+                with job.arrived:
+                    job.found += 1
+                    job.arrived.notify_all()
         finally:
+            reads.close()  # returns once no read is writing into the range
             with job.arrived:
                 job.done = True
                 job.arrived.notify_all()
@@ -144,8 +141,8 @@ class StoragePrefetch:
         self.forget(rid)
 
     def forget(self, rid: str) -> None:
-        """Drops request `rid`'s prefetch: a running read stops after its round, and its range
-        of the buffer is reused once that read is over."""
+        """Drops request `rid`'s prefetch: a running read stops after the blocks in flight, and
+        its range of the buffer is reused once those are done."""
         with self._lock:
             job = self._jobs.pop(rid, None)
             if job is not None:
