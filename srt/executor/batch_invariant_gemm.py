@@ -13,8 +13,9 @@ of many rows (prefill) takes wide ones, which load each weight tile for more row
 cuBLAS is faster at prefill sizes, and where its kernel for a shape does not split K it sums in
 the same order (tensor-core steps walked over K from 0) and so gives the same bits. Which shapes
 those are is cuBLAS's choice, so it is proven, not assumed: the first call of each (row count
-rounded up to a multiple of 64, N, K, dtypes) runs both and keeps cuBLAS for that shape only if every
-output matched (ProvenFastPath). A call's bits are therefore always the Triton kernel's.
+rounded up to a multiple of 64, N, K, dtypes) runs both on a random input of that shape and keeps
+cuBLAS for it only if every output matched (ProvenFastPath). A call's bits are therefore always
+the Triton kernel's.
 """
 
 from __future__ import annotations
@@ -98,12 +99,14 @@ def _sm_count(device: torch.device) -> int:
 
 
 class ProvenFastPath:
-    """A faster product used per shape only where it gave the reference's bits: the first call
-    of each shape key runs both and keeps the fast one for that key only if every output
-    matched. A key first met while a CUDA graph is being captured (no host sync allowed) stays
-    unproven and runs the reference until an eager call proves it. fast and reference:
-    (x, weight, bias) -> x @ weight^T (+ bias). Calls of fewer than min_rows rows run the
-    reference; row counts are padded up to a multiple of row_bucket, so few keys need a proof."""
+    """A faster product used per shape only where it gives the reference's bits: the first call
+    of each shape key runs both on a random probe of that shape (strides and alignment too) and
+    keeps the fast one for that key only if every output matched. A probe, not the call's own
+    input, because a degenerate input (zeros, a warm-up's) could match by chance. A key first
+    met while a CUDA graph is being captured (no host sync allowed) runs the reference and is
+    proven on a later eager call. fast and reference: (x, weight, bias) -> x @ weight^T
+    (+ bias). Calls of fewer than min_rows rows run the reference; row counts are padded up to a
+    multiple of row_bucket, so few keys need a proof."""
 
     def __init__(self, fast, reference, min_rows: int, row_bucket: int):
         self.fast, self.reference = fast, reference
@@ -111,8 +114,8 @@ class ProvenFastPath:
         self.same_bits: dict[tuple, bool] = {}
 
     def run(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
-        """The product, with the reference's bits; None when the call is too small to try the
-        fast one or its shape failed the proof (the caller runs the reference)."""
+        """The fast product, where proven for this shape; None where the caller must run the
+        reference (too few rows, a shape that failed its proof, or one not proven yet)."""
         m = x.shape[0]
         if m < self.min_rows:
             return None
@@ -121,15 +124,25 @@ class ProvenFastPath:
         key = (rows, weight.shape[0], weight.shape[1], x.dtype, weight.dtype, None if bias is None else bias.dtype,
                x.device.index) + ((x.stride(0), x.data_ptr() % 256) if rows == m else ())
         same = self.same_bits.get(key)
-        if same is False:
+        if same is None:
+            if x.is_cuda and torch.cuda.is_current_stream_capturing():
+                return None
+            same = self.same_bits[key] = self._prove(x, rows, weight, bias)
+        if not same:
             return None
         padded = x if rows == m else torch.cat([x, x.new_zeros(rows - m, x.shape[1])])
-        if same:
-            return self.fast(padded, weight, bias)[:m]
-        ours = self.reference(padded, weight, bias)
-        if not (x.is_cuda and torch.cuda.is_current_stream_capturing()):
-            self.same_bits[key] = torch.equal(self.fast(padded, weight, bias), ours)
-        return ours[:m]
+        return self.fast(padded, weight, bias)[:m]
+
+    def _prove(self, x: torch.Tensor, rows: int, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+        """Whether fast and reference give the same bits on a random input shaped as the call's
+        (padded: a fresh [rows, K] tensor; else x's row stride and pointer alignment)."""
+        k = x.shape[1]
+        stride = k if rows != x.shape[0] else x.stride(0)
+        offset = 0 if rows != x.shape[0] else x.data_ptr() % 256 // x.element_size()
+        generator = torch.Generator(device=x.device).manual_seed(0)
+        flat = torch.randn(offset + (rows - 1) * stride + k, generator=generator, device=x.device).to(x.dtype)
+        probe = flat.as_strided((rows, k), (stride, 1), offset)
+        return torch.equal(self.fast(probe, weight, bias), self.reference(probe, weight, bias))
 
 
 def _picked_triton_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
