@@ -67,6 +67,40 @@ def test_a_chain_is_read_in_parallel_up_to_its_first_miss(store):
         store.get_many_into(keys, memoryview(out)[:BLOCK_BYTES])
 
 
+def test_blocks_arrive_in_order_as_soon_as_ready_and_closing_leaves_no_read_behind(store, monkeypatch):
+    """read_in_order yields block i once blocks 0..i are read, without waiting for a slow block
+    after it; closing it early skips the blocks not begun and returns only once the reads in
+    flight are done, so the buffer can be handed to another request."""
+    keys = store.block_keys(range(40 * BLOCK_TOKENS))
+    for i, key in enumerate(keys):
+        store.put(key, payload(i))
+    store.flush()
+    read = store.get_into
+    started, finished, slow = [], [], {keys[5]}
+
+    def get_into(key, out):
+        started.append(key)
+        time.sleep(0.5 if key in slow else 0.01)
+        ok = read(key, out)
+        finished.append(key)
+        return ok
+
+    monkeypatch.setattr(store, "get_into", get_into)
+    out = bytearray(40 * BLOCK_BYTES)
+    reads = store.read_in_order(keys, memoryview(out))
+    t0 = time.perf_counter()
+    assert [next(reads) for _ in range(5)] == [True] * 5
+    assert time.perf_counter() - t0 < 0.4  # not held back by block 5, read beside them
+    assert next(reads) and bytes(out[5 * BLOCK_BYTES:6 * BLOCK_BYTES]) == payload(5)
+    slow.update(keys[6:])  # every later read is slow: closing must wait for those in flight
+    reads.close()
+    done = len(started)
+    assert len(finished) == done  # no read still writing into `out`
+    time.sleep(0.6)
+    assert len(started) == done < len(keys)  # nothing started after close returned
+    assert len(started) <= 6 + storage.READ_AHEAD  # at most READ_AHEAD queued ahead
+
+
 def test_put_skips_existing_key(store):
     key = store.block_keys(range(BLOCK_TOKENS))[0]
     store.put(key, payload(1))
