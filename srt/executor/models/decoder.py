@@ -25,6 +25,15 @@ from .rotary import RotaryEmbedding
 from .sharding import ShardPlan
 
 
+
+def head_product(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x @ weight^T for the LM head. On CPU, MKL runs a vocabulary-wide product about twice as
+    fast with the weight as the left operand at a few rows (16 rows of the default model's
+    49152 x 576 head: 14-16 ms against 30 as F.linear), the same at one row."""
+    if x.device.type == "cpu" and x.dim() == 2 and x.shape[0] > 1:
+        return torch.mm(weight, x.t()).t().contiguous()
+    return F.linear(x, weight)
+
 class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, layer_id: int, family: Family, ops: TorchOps = TORCH_OPS,
                  tp: TensorParallel = SINGLE):
@@ -92,7 +101,7 @@ class CausalLM(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(config, i, family, ops, tp) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops, family.norm_offset)
         self.lm_head = None if config.tie_word_embeddings else Linear(config.hidden_size, vocab_rows, bias=False)
-        self.head_linear = F.linear  # the LM head's product (batch_invariant.py may replace it)
+        self.head_linear = head_product  # the LM head's product (batch_invariant.py may replace it)
         self.rotaries, self.rotary_of_layer = self._make_rotaries(config, hf_config)
 
     def _make_rotaries(self, config: ModelConfig, hf_config: Any) -> tuple[nn.ModuleList, list[int]]:
