@@ -51,7 +51,7 @@ _FANOUT = re.compile(r"[0-9a-f]{2}")
 MAX_PENDING_BYTES = 4 << 30
 # A temporary file this old was left by a writer that died (a live one renames within seconds).
 STALE_TEMP_S = 3600.0
-# Blocks read at once by get_many_into: reading and checking a block keep a core busy (both
+# Blocks read at once (read_in_order): reading and checking a block keep a core busy (both
 # release the GIL) or wait on the disk, so one thread per core, at least 8 and at most 16.
 READ_THREADS = max(8, min(16, os.cpu_count() or 8))
 READ_AHEAD = 2 * READ_THREADS  # blocks of one chain queued for the readers at a time
