@@ -98,6 +98,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2, help="runs per workload and engine; the best is kept")
     parser.add_argument("--out", default=None, help="append the JSON lines to this file")
     parser.add_argument("--num-requests", type=int, default=1000, help="GPU: requests of the offline workload")
+    parser.add_argument("--workloads", default="offline,batch1_decode,shared_prefix",
+                        help="comma-separated: which workloads to run")
     args = parser.parse_args()
 
     from radixlm.srt import Engine
@@ -107,7 +109,10 @@ def main() -> None:
     frame = run_frame(device)
     report = Reporter(args.out, command=command_line())
     model_args, model = engine_model(args)
-    runs = workloads(gpu, args.num_requests)
+    wanted = args.workloads.split(",")
+    runs = [(name, run) for name, run in workloads(gpu, args.num_requests) if name in wanted]
+    if len(runs) != len(wanted):
+        parser.error(f"--workloads: choose from offline, batch1_decode, shared_prefix (got {args.workloads})")
     results: dict[str, dict[str, dict]] = {}
     for label, flag in (("baseline", False), ("deterministic", True)):
         engine = Engine(**model_args, enable_deterministic_inference=flag)

@@ -45,10 +45,18 @@ class Setup:
         return torch.randn(n, self.heads, self.head_dim, generator=self.gen).to(self.dtype).to(self.device)
 
     def run(self, q: torch.Tensor, rows: list[int], seq_lens: list[int], extend_lens: list[int],
-            spec: LayerAttention = LayerAttention()) -> torch.Tensor:
-        host = kernel.host_tables(self.table, rows, seq_lens, extend_lens, self.heads // self.kv_heads)
+            spec: LayerAttention = LayerAttention(), table: torch.Tensor | None = None,
+            cascade: bool = False) -> torch.Tensor:
+        """cascade: a decode step whose requests share segments of `table` runs as a cascade step."""
+        table = self.table if table is None else table
+        group = self.heads // self.kv_heads
+        host = kernel.host_tables(table, rows, seq_lens, extend_lens, group)
         tables = kernel.load_tables(host, self.device)
-        if all(n == 1 for n in extend_lens):  # as the backend plans a decode step: split where it pays
+        if cascade:
+            plan = kernel.cascade_plan(table, rows, seq_lens, group)
+            tables = kernel.cascade_if_worth_it(tables, plan, seq_lens, self.heads, self.kv_heads, self.head_dim, 0)
+            assert tables.num_group_tiles, "no shared segments"
+        elif all(n == 1 for n in extend_lens):  # as the backend plans a decode step: split where it pays
             tables = kernel.split_if_worth_it(tables, self.heads, self.kv_heads, self.head_dim, max(seq_lens))
         return kernel.attend(q, self.k_buf, self.v_buf, tables, self.head_dim ** -0.5, spec, *self.scales)
 
@@ -122,6 +130,37 @@ def variants_of_one_row(setup: Setup, spec: LayerAttention, trials: int, max_com
     if captured:
         found["replayed graph"] = captured_row(setup, spec, q_row, split=False)
         found["replayed split graph"] = captured_row(setup, spec, q_row, split=True)
+    return found
+
+
+def cascade_variants(setup: Setup, spec: LayerAttention, max_len: int) -> dict[str, torch.Tensor]:
+    """Request 0's query at position 2 * SEGMENT + 21 (the setup needs 40 rows) alone, and in
+    cascade decode steps where other requests hold the same slots as its first two segments (as
+    the radix cache hands a shared prefix out): a group of 2, a group of 24 (two group tiles), a
+    group sharing only its first segment, and two groups beside requests of their own. The
+    shared segments then come from the cascade kernel, the rest from split programs."""
+    rng = random.Random(1)
+    seg = kernel.SEGMENT
+    pos = 2 * seg + 21
+    q_row = setup.queries(1)
+    table = setup.table.clone()
+    table[1:30, :2 * seg] = table[0, :2 * seg]  # rows 1-29 share row 0's first two segments
+    table[30:34, :seg + 10] = table[0, :seg + 10]  # rows 30-33 only its first, and 10 keys more
+    table[34:38, :seg] = table[38, :seg]  # rows 34-38: another group
+    found = {"alone": setup.run(q_row, [0], [pos + 1], [1], spec)[0]}
+
+    def in_batch(name: str, rows: list[int], lens: list[int], where: int):
+        q = setup.queries(len(rows))
+        q[where] = q_row[0]
+        found[name] = setup.run(q, rows, lens, [1] * len(rows), spec, table=table, cascade=True)[where]
+
+    shared_lens = lambda n: [rng.randint(2 * seg + 1, max_len) for _ in range(n)]  # noqa: E731
+    in_batch("group of 2", [7, 0], shared_lens(1) + [pos + 1], 1)
+    in_batch("group of 24", list(range(1, 13)) + [0] + list(range(13, 24)), shared_lens(12) + [pos + 1] + shared_lens(11),
+             12)
+    in_batch("sharing one segment", [30, 31, 0, 32], [seg + 40, max_len, pos + 1, pos], 2)
+    in_batch("two groups and loners", [34, 2, 39, 35, 0, 38, 3, 36], [rng.randint(seg + 1, max_len) for _ in range(4)]
+             + [pos + 1] + [rng.randint(seg + 1, max_len) for _ in range(3)], 4)
     return found
 
 

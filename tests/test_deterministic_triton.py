@@ -56,6 +56,19 @@ for dtype, pool, specs in ((torch.half, torch.half, SPECS[::3]), (torch.half, FP
 print(bad or f"ok {{len(found)}}")
 """
 
+CASCADE_CHECK = ROW_BY_ROW_DOT + SMALL_SEGMENTS + f"""
+import sys, torch
+sys.path.insert(0, {TESTS!r})
+from deterministic_attention_checks import FP8, SPECS, Setup, cascade_variants, differing
+bad = {{}}
+for dtype, pool, spec in ((torch.half, FP8, SPECS[2]), (torch.float32, torch.float32, SPECS[0])):
+    setup = Setup(8, 2, 32, dtype, pool, rows=40, max_len=320, scales=(0.5, 1.5))
+    found = cascade_variants(setup, spec, max_len=320)
+    if differing(found):
+        bad[(str(dtype), str(pool), spec)] = differing(found)
+print(bad or f"ok {{len(found)}}")
+"""
+
 
 def test_kernel_matches_a_float64_reference():
     """fp16: GQA 4:1 with every spec (the blocks a window starts in, soft-caps, both), a group of
@@ -67,6 +80,14 @@ def test_kernel_matches_a_float64_reference():
 def test_a_row_has_the_same_bits_alone_in_batches_in_extend_tiles_and_graph_tables():
     result = run_in_interpreter(INVARIANCE_CHECK)
     assert result.startswith("ok"), result
+
+
+def test_a_row_has_the_same_bits_in_cascade_decode_steps():
+    """Decode steps whose requests share segments of slots (a cached prefix) read those once
+    per group tile; the row's bits equal its own split computation (an FP8 pool with a soft-cap,
+    float32)."""
+    result = run_in_interpreter(CASCADE_CHECK)
+    assert result == "ok 5", result
 
 
 def test_backend_plans_graph_tables_with_padding_and_falls_back_when_they_are_full():
@@ -94,6 +115,47 @@ def test_backend_plans_graph_tables_with_padding_and_falls_back_when_they_are_fu
     assert backend.prefers_eager(decode_batch([1, 2], [50, 40]))
 
 
+def test_backend_runs_a_decode_step_with_shared_segments_as_a_cascade_step(monkeypatch):
+    """Requests holding the same slots for whole segments: plan() makes a cascade step (group
+    tiles, each member skipping the shared segments) once the reads saved pass the eager
+    threshold, and prefers_eager() leaves the graph only past the graph threshold; windows and
+    --disable-cascade-attention keep the step plain."""
+    from deterministic_attention_checks import Setup, decode_batch
+
+    from radixlm.srt.executor.attention import deterministic_cuda
+    from radixlm.srt.executor.attention import deterministic_triton as kernel
+    from radixlm.srt.executor.attention.deterministic_cuda import TritonDeterministicBackend
+    from radixlm.srt.executor.attention.layer_spec import LayerAttention
+    from radixlm.srt.executor.mem_pool import KVPool
+
+    monkeypatch.setattr(kernel, "SEGMENT", 64)
+    setup = Setup(8, 2, 16, torch.half, torch.half, rows=8, max_len=256)
+    setup.table[1:6, :150] = setup.table[0, :150]  # rows 0-5 share 150 slots: two whole segments
+    pool = KVPool(2048, 1, 2, 16, torch.half, "cpu")
+    batch = decode_batch([0, 1, 6, 2, 3, 4, 5], [200, 180, 100, 256, 151, 170, 160])
+    key_bytes = 2 * 2 * 16 * 2  # K and V, 2 KV heads of 16 halves
+    saved = 5 * 128  # five members read the two segments the first one reads for them
+
+    def backend(graph_bytes, eager_bytes, **kwargs):
+        monkeypatch.setattr(deterministic_cuda, "CASCADE_GRAPH_MIN_SAVED_BYTES", graph_bytes)
+        monkeypatch.setattr(deterministic_cuda, "CASCADE_EAGER_MIN_SAVED_BYTES", eager_bytes)
+        made = TritonDeterministicBackend(pool, setup.table, 0.25, 8, **kwargs)
+        made.init_cuda_graph_state(8, 16)
+        made.plan(batch)
+        return made
+
+    made = backend(saved * key_bytes, saved * key_bytes)
+    tables = made._tables
+    assert made.prefers_eager(batch) and tables.num_group_tiles == 1 and tables.shared_segments == 2
+    assert tables.group_members.tolist() == [0, 1, 3, 4, 5, 6] + [-1] * 10
+    assert tables.tile_skip.tolist() == [2, 2, 0, 2, 2, 2, 2] and tables.segments == 4 and tables.split_programs == 2
+    made = backend(saved * key_bytes + 1, saved * key_bytes)
+    assert not made.prefers_eager(batch) and made._tables.num_group_tiles == 1
+    assert backend(1, saved * key_bytes + 1)._tables.num_group_tiles == 0
+    for plain in (backend(1, 1, cascade=False), backend(1, 1, layers=[LayerAttention(100, None)])):
+        assert not plain.prefers_eager(batch) and plain._tables.num_group_tiles == 0
+
+
 def test_kernel_compiles_for_hopper_without_spilling():
     """Both kernels for sm_90 at the 8B shape (head_dim 128, groups of 4): sequential and split,
     bf16 and an FP8 pool with soft-cap and window; tensor-core products, no spills."""
@@ -110,6 +172,13 @@ def test_kernel_compiles_for_hopper_without_spilling():
                                  WINDOW=window, PRECISION="tf32"),
                             kernel.num_warps(128), kernel.NUM_STAGES)
         assert "wgmma" in compiled.asm["ptx"]  # Hopper's tensor-core products
+        assert " 0 bytes spill stores" in _ptxas_report(compiled.asm["ptx"])
+    for kv_type, softcap in (("*bf16", False), ("*fp8e4nv", True)):
+        compiled = _compile(triton, kernel._cascade_kernel, {**pointer_types, "k_ptr": kv_type, "v_ptr": kv_type},
+                            dict(GROUP=4, HEADS_PER_TILE=4, CHUNKS=1, HEAD_DIM=128, BLOCK_D=128, BLOCK_M=kernel.BLOCK_M,
+                                 KEY_BLOCK=kernel.KEY_BLOCK, SEGMENT=kernel.SEGMENT, SOFTCAP=softcap, PRECISION="tf32"),
+                            kernel.num_warps(128), kernel.NUM_STAGES)
+        assert "wgmma" in compiled.asm["ptx"]
         assert " 0 bytes spill stores" in _ptxas_report(compiled.asm["ptx"])
     combine = _compile(triton, kernel._combine_kernel, pointer_types,
                        dict(HEAD_DIM=128, BLOCK_D=128, KEY_BLOCK=kernel.KEY_BLOCK, SEGMENT=kernel.SEGMENT, WINDOW=True),

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from benchmarks.models import LLAMA_8B_CONFIG
-from deterministic_attention_checks import FP8, SPECS, Setup, differing, variants_of_one_row
+from deterministic_attention_checks import FP8, SPECS, Setup, cascade_variants, differing, variants_of_one_row
 from gpu_helpers import llama3_tokenizer_path
 from test_deterministic import (_answers_beside_companions, _loglikelihoods, _prefix_cases,
                                 assert_one_answer_per_prompt)
@@ -114,6 +114,45 @@ def test_split_and_sequential_segments_give_a_row_the_same_bits(dtype, monkeypat
     for spec in (SPECS[0], SPECS[3]):
         found = variants_of_one_row(setup, spec, trials=10, max_companions=63, max_len=2048, captured=True)
         assert differing(found) == [], spec
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_cascade_decode_gives_a_row_the_same_bits(dtype, monkeypatch):
+    """Decode steps whose requests share segments of slots read them once per group tile (the
+    cascade kernel) and the rest in split programs: the row's bits equal its own split
+    computation; fp32 with segments of 64, so that the merges' rounding shows."""
+    if dtype == torch.float32:
+        monkeypatch.setattr(kernel, "SEGMENT", 64)
+    setup = Setup(32, 8, 128, dtype, dtype, device="cuda", rows=40, max_len=2048)
+    for spec in (SPECS[0], SPECS[2]):
+        found = cascade_variants(setup, spec, max_len=2048)
+        assert differing(found) == [], spec
+
+
+def test_a_shared_prefix_decoded_in_cascade_steps_gives_the_same_answer(det_engine, monkeypatch):
+    """A prompt decoded alone, then beside 39 requests on its cached 2048-token prefix (decode
+    steps that run as cascade steps, checked): the same tokens and logprobs."""
+    cascaded = []
+    plan = kernel.cascade_if_worth_it
+
+    def counting(*args, **kwargs):
+        tables = plan(*args, **kwargs)
+        cascaded.append(tables.num_group_tiles)
+        return tables
+
+    monkeypatch.setattr(kernel, "cascade_if_worth_it", counting)
+    prefix = list(range(1000, 3048))
+    prompts = [prefix + [5000 + 17 * i + j for j in range(16)] for i in range(40)]
+    params = {"temperature": 0, "max_new_tokens": 24, "ignore_eos": True}
+
+    def answer(result):
+        return result["text"], tuple(lp for lp, *_ in result["meta_info"]["output_token_logprobs"])
+
+    det_engine.flush_cache()
+    alone = answer(det_engine.generate(input_ids=prompts[0], sampling_params=params, return_logprob=True))
+    out = det_engine.generate(input_ids=prompts, sampling_params=[params] * 40, return_logprob=True)
+    assert answer(out[0]) == alone
+    assert any(cascaded), cascaded
 
 
 def test_attention_is_close_to_sdpa():

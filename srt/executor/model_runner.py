@@ -115,7 +115,7 @@ class ModelRunner:
 
             check_backend_supports(TritonDeterministicBackend, layers, cfg.architecture)
             return TritonDeterministicBackend(self.kv_pool, req_to_token, cfg.attention_scale,
-                                              self.model.config.num_heads, layers)
+                                              self.model.config.num_heads, layers, cascade=cascade)
         if self.deterministic:
             from .attention.deterministic import DeterministicBackend
 

@@ -22,14 +22,21 @@ from .base import DEFAULT_GRAPH_VARIANT, AttentionBackend
 from .layer_spec import LOGIT_SOFTCAP, SLIDING_WINDOW, LayerAttention
 
 PADDING_SLOT = 0  # cuda_graph_runner.PADDING_SLOT: padding rows' one key
+# Cascade decode (deterministic_triton.cascade_if_worth_it) saves re-reading the segments a group
+# of requests shares. It runs eagerly, so a step that could replay a graph takes it only when it
+# saves at least CASCADE_GRAPH_MIN_SAVED_BYTES of K/V reads per layer; a step running eagerly
+# anyway takes it from CASCADE_EAGER_MIN_SAVED_BYTES (two more small launches a layer).
+CASCADE_GRAPH_MIN_SAVED_BYTES = 256 << 20
+CASCADE_EAGER_MIN_SAVED_BYTES = 32 << 20
 
 
 class TritonDeterministicBackend(AttentionBackend):
     SUPPORTED_FEATURES = frozenset({SLIDING_WINDOW, LOGIT_SOFTCAP})
 
     def __init__(self, kv_pool: KVPool, req_to_token: torch.Tensor, scale: float, num_heads: int,
-                 layers: Sequence[LayerAttention] | None = None):
-        """req_to_token: the host table (ReqToTokenTable.table, viewed as a tensor)."""
+                 layers: Sequence[LayerAttention] | None = None, cascade: bool = True):
+        """req_to_token: the host table (ReqToTokenTable.table, viewed as a tensor); cascade: False
+        keeps every decode step plain (--disable-cascade-attention)."""
         self.kv_pool = kv_pool
         self.req_to_token = req_to_token
         self.scale = scale
@@ -42,14 +49,23 @@ class TritonDeterministicBackend(AttentionBackend):
         self._out_cache_loc: torch.Tensor | None = None
         self._graph: _GraphTables | None = None
         self._bounds: dict[int, list[int]] = {}  # _split_bounds per graph bucket size
+        # Windows read segments a cascade group tile would not; those models decode plainly.
+        self.cascade = cascade and all(layer.sliding_window is None for layer in self.layers)
+        self._plan_of: tuple[ForwardBatch, object] | None = None
+        pool_bytes = kv_pool.k_buffers[0].element_size() * self.num_kv_heads * self.head_dim * 2
+        self._min_saved_keys = {graph: -(-threshold // pool_bytes) for graph, threshold in
+                                ((True, CASCADE_GRAPH_MIN_SAVED_BYTES), (False, CASCADE_EAGER_MIN_SAVED_BYTES))}
 
     def plan(self, batch: ForwardBatch) -> None:
-        host = kernel.host_tables(self.req_to_token, batch.req_pool_indices_cpu, batch.seq_lens_cpu,
-                                  batch.extend_lens_cpu, self.group)
+        rows, seq_lens = batch.req_pool_indices_cpu, batch.seq_lens_cpu
+        host = kernel.host_tables(self.req_to_token, rows, seq_lens, batch.extend_lens_cpu, self.group)
         tables = kernel.load_tables(host, self.device)
         if all(n == 1 for n in batch.extend_lens_cpu):
-            tables = kernel.split_if_worth_it(tables, self.num_heads, self.num_kv_heads, self.head_dim,
-                                              max(batch.seq_lens_cpu))
+            tables = kernel.cascade_if_worth_it(tables, self._cascade_plan(batch), seq_lens, self.num_heads,
+                                                self.num_kv_heads, self.head_dim, self._min_saved_keys[False])
+            if not tables.num_group_tiles:
+                tables = kernel.split_if_worth_it(tables, self.num_heads, self.num_kv_heads, self.head_dim,
+                                                  max(seq_lens))
         self._tables = tables
         self._out_cache_loc = batch.out_cache_loc
 
@@ -66,8 +82,21 @@ class TritonDeterministicBackend(AttentionBackend):
         return True
 
     def prefers_eager(self, batch: ForwardBatch) -> bool:
-        """A batch whose keys do not fit the graph's slot table runs eagerly (the same kernel)."""
-        return sum(batch.seq_lens_cpu) > self._graph.slots.numel()
+        """A batch whose keys do not fit the graph's slot table runs eagerly (the same kernel), and
+        so does one whose shared segments save enough reads to pay for eager launches."""
+        if sum(batch.seq_lens_cpu) > self._graph.slots.numel():
+            return True
+        plan = self._cascade_plan(batch)
+        return plan is not None and plan[3] >= self._min_saved_keys[True]
+
+    def _cascade_plan(self, batch: ForwardBatch):
+        """kernel.cascade_plan for a decode batch, found once per batch (prefers_eager, then plan)."""
+        if not (self.cascade and batch.is_decode):
+            return None
+        if self._plan_of is None or self._plan_of[0] is not batch:
+            self._plan_of = (batch, kernel.cascade_plan(self.req_to_token, batch.req_pool_indices_cpu,
+                                                        batch.seq_lens_cpu, self.group))
+        return self._plan_of[1]
 
     def init_cuda_graph_state(self, max_bs: int, max_pages_per_req: int) -> None:
         # Room for every request at full context, or for twice the pool (more only where the
