@@ -98,7 +98,7 @@ def read_kv(buf: torch.Tensor, slots: torch.Tensor, dtype: torch.dtype, scale: f
     if buf.dtype != FP8_KV_DTYPE:
         out = _gather_slots(buf, slots)
         return out if out.dtype == dtype else out.to(dtype)
-    out = buf.view(torch.uint8).index_select(1, slots).view(FP8_KV_DTYPE).to(dtype)  # no float8 gather on CPU
+    out = _gather_slots(buf.view(torch.uint8), slots).view(FP8_KV_DTYPE).to(dtype)  # no float8 gather on CPU
     return out if scale == 1.0 else out * scale
 
 
