@@ -384,7 +384,9 @@ def test_language_programs_and_calls_name_their_adapter(lora_server):
     assert states[0]["answer"] != states[1]["answer"] != states[2]["answer"]
     assert states[1]["answer"] == states[3]["answer"]
     scores = [state.get_meta_info("verdict")["normalized_prompt_logprobs"] for state in states]
-    assert scores[1] == pytest.approx(scores[3]) and scores[0] != pytest.approx(scores[1])
+    # Rows batched with other companions round otherwise in float32 (about 1e-6 relative); another
+    # adapter moves the score by far more.
+    assert scores[1] == pytest.approx(scores[3], rel=1e-4) and scores[0] != pytest.approx(scores[1], rel=1e-4)
 
     @sgl.function
     def plain(s):
