@@ -161,12 +161,13 @@ def test_kernel_compiles_for_hopper_without_spilling():
     bf16 and an FP8 pool with soft-cap and window; tensor-core products, no spills."""
     triton = pytest.importorskip("triton")
 
+    from radixlm.srt.executor.attention import deterministic_kernels as kernels
     from radixlm.srt.executor.attention import deterministic_triton as kernel
 
     pointer_types = {"q_ptr": "*bf16", "out_ptr": "*bf16", "part_acc_ptr": "*fp32", "part_ml_ptr": "*fp32"}
     for kv_type, softcap, window, split in (("*bf16", False, False, False), ("*fp8e4nv", True, True, False),
                                             ("*bf16", False, False, True), ("*fp8e4nv", True, True, True)):
-        compiled = _compile(triton, kernel._attend_kernel, {**pointer_types, "k_ptr": kv_type, "v_ptr": kv_type},
+        compiled = _compile(triton, kernels.attend_kernel, {**pointer_types, "k_ptr": kv_type, "v_ptr": kv_type},
                             dict(GROUP=4, HEADS_PER_TILE=4, CHUNKS=1, HEAD_DIM=128, BLOCK_D=128, BLOCK_M=kernel.BLOCK_M,
                                  KEY_BLOCK=kernel.KEY_BLOCK, SEGMENT=kernel.SEGMENT, SPLIT=split, SOFTCAP=softcap,
                                  WINDOW=window, PRECISION="tf32"),
@@ -174,13 +175,13 @@ def test_kernel_compiles_for_hopper_without_spilling():
         assert "wgmma" in compiled.asm["ptx"]  # Hopper's tensor-core products
         assert " 0 bytes spill stores" in _ptxas_report(compiled.asm["ptx"])
     for kv_type, softcap in (("*bf16", False), ("*fp8e4nv", True)):
-        compiled = _compile(triton, kernel._cascade_kernel, {**pointer_types, "k_ptr": kv_type, "v_ptr": kv_type},
+        compiled = _compile(triton, kernels.cascade_kernel, {**pointer_types, "k_ptr": kv_type, "v_ptr": kv_type},
                             dict(GROUP=4, HEADS_PER_TILE=4, CHUNKS=1, HEAD_DIM=128, BLOCK_D=128, BLOCK_M=kernel.BLOCK_M,
                                  KEY_BLOCK=kernel.KEY_BLOCK, SEGMENT=kernel.SEGMENT, SOFTCAP=softcap, PRECISION="tf32"),
                             kernel.num_warps(128), kernel.NUM_STAGES)
         assert "wgmma" in compiled.asm["ptx"]
         assert " 0 bytes spill stores" in _ptxas_report(compiled.asm["ptx"])
-    combine = _compile(triton, kernel._combine_kernel, pointer_types,
+    combine = _compile(triton, kernels.combine_kernel, pointer_types,
                        dict(HEAD_DIM=128, BLOCK_D=128, KEY_BLOCK=kernel.KEY_BLOCK, SEGMENT=kernel.SEGMENT, WINDOW=True),
                        1, 1)
     assert " 0 bytes spill stores" in _ptxas_report(combine.asm["ptx"])

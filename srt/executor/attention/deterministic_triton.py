@@ -18,7 +18,7 @@ depends on the batch):
   may not see inside a block it does see enter with weight exactly 0.
 - The keys fall into segments of SEGMENT positions, also aligned to position 0. Each segment
   starts a fresh online softmax, and a row's result merges its segments' (m, l, acc) in position
-  order (_merge). Sequentially, one program walks every segment and merges as it goes; split, a
+  order (deterministic_kernels._merge). Sequentially, one program walks every segment and merges as it goes; split, a
   decode step with few programs gives each of a request's segments its own program and a second
   kernel merges their partial results in the same order with the same arithmetic (FMA
   contraction off in both kernels, so each operation rounds alike). Either way a row's bits
@@ -35,9 +35,9 @@ from typing import NamedTuple
 
 import torch
 import triton
-import triton.language as tl
 
 from .cascade_groups import find_groups
+from . import deterministic_kernels as kernels
 from .layer_spec import LayerAttention
 
 BLOCK_M = 64  # query rows per program: tokens x group heads
@@ -50,227 +50,6 @@ SPLIT_BELOW_PROGRAMS = 256
 SPLIT_WORKSPACE_BYTES = 64 << 20
 CASCADE_WORKSPACE_BYTES = 256 << 20  # a cascade step's partial results, at most
 _LOG2E = 1.4426950408889634
-
-
-@triton.jit
-def _merge(big_m, big_l, big_acc, m, l, acc):
-    """(M, L, ACC) followed by one more segment's (m, l, acc), per row; m must be finite."""
-    m_new = tl.maximum(big_m, m)
-    a = tl.exp2(big_m - m_new)  # M = -inf (nothing merged yet): 0
-    b = tl.exp2(m - m_new)
-    return m_new, big_l * a + l * b, big_acc * a[:, None] + acc * b[:, None]
-
-
-@triton.jit
-def _window_lo(first_pos, window, KEY_BLOCK: tl.constexpr):
-    """The first key block a query at first_pos sees through its window (aligned: the same
-    blocks for a row whatever tile or kernel computes it)."""
-    return tl.maximum(first_pos - window + 1, 0) // KEY_BLOCK * KEY_BLOCK
-
-
-@triton.jit
-def _normalized(big_acc, big_l, v_scale):
-    """A row's output from its merged accumulator and sum (0 where it saw nothing)."""
-    return big_acc * (v_scale / tl.where(big_l > 0, big_l, 1.0))[:, None]
-
-
-@triton.jit
-def _segment(q, k_head, v_head, slots_ptr, kv_start, seg, lo, last_pos, pos, window, qk_scale, softcap, d, d_ok,
-             BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr, KEY_BLOCK: tl.constexpr,
-             SEGMENT: tl.constexpr, SOFTCAP: tl.constexpr, WINDOW: tl.constexpr, PRECISION: tl.constexpr):
-    """One segment's (m, l, acc) per row of q: its keys from `lo` to last_pos walked in blocks in
-    position order with an online softmax (both kernels call this, so a row's bits are the same
-    whichever computes it)."""
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    for start in range(tl.maximum(seg * SEGMENT, lo), tl.minimum(seg * SEGMENT + SEGMENT, last_pos + 1), KEY_BLOCK):
-        kp = start + tl.arange(0, KEY_BLOCK)
-        k_ok = kp <= last_pos
-        slot = tl.load(slots_ptr + kv_start + kp, mask=k_ok, other=0).to(tl.int64)
-        kv_mask = k_ok[:, None] & d_ok[None, :]
-        k = tl.load(k_head + slot[:, None] * HEAD_DIM + d[None, :], mask=kv_mask, other=0.0)
-        s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION) * qk_scale
-        if SOFTCAP:  # cap * tanh(s / cap), from exp2 (the interpreter has no tanh), then log2 domain
-            x = s / softcap
-            t = tl.exp2(-2.0 * 1.4426950408889634 * tl.abs(x))
-            th = (1.0 - t) / (1.0 + t)
-            s = tl.where(x < 0, -th, th) * softcap * 1.4426950408889634
-        seen = kp[None, :] <= pos[:, None]
-        if WINDOW:
-            seen = seen & (kp[None, :] > pos[:, None] - window)
-        s = tl.where(seen, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        unseen = m_new == float("-inf")  # nothing seen yet: keep (m, l, acc) as they are
-        m_ref = tl.where(unseen, 0.0, m_new)  # finite, so no -inf - -inf
-        alpha = tl.where(unseen, 1.0, tl.exp2(m_i - m_ref))
-        p = tl.exp2(s - m_ref[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(v_head + slot[:, None] * HEAD_DIM + d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
-        acc = tl.dot(p.to(q.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
-        m_i = m_new
-    return m_i, l_i, acc
-
-
-@triton.jit
-def _store_partial(part_acc_ptr, part_ml_ptr, part, stored, m, l, acc, d, d_ok, BLOCK_D: tl.constexpr):
-    """A split row's segment result, as the first merge of its row leaves it (_merge onto an empty
-    state is exact, and both kernels take the same path)."""
-    big_m, big_l, big_acc = _merge(tl.full(m.shape, float("-inf"), dtype=tl.float32), tl.zeros(m.shape, tl.float32),
-                                   tl.zeros(acc.shape, tl.float32), m, l, acc)
-    tl.store(part_acc_ptr + part[:, None] * BLOCK_D + d[None, :], big_acc, mask=stored[:, None] & d_ok[None, :])
-    tl.store(part_ml_ptr + part * 2, big_m, mask=stored)
-    tl.store(part_ml_ptr + part * 2 + 1, big_l, mask=stored)
-
-
-@triton.jit
-def _attend_kernel(q_ptr, k_ptr, v_ptr, out_ptr, part_acc_ptr, part_ml_ptr, q_indptr_ptr, kv_indptr_ptr, slots_ptr,
-                   tile_req_ptr, tile_tok_ptr, tile_skip_ptr, stride_qt, stride_qh, stride_kh, stride_vh, stride_ot,
-                   qk_scale, v_scale, softcap, window, num_heads, num_segments,
-                   GROUP: tl.constexpr, HEADS_PER_TILE: tl.constexpr, CHUNKS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                   BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, KEY_BLOCK: tl.constexpr, SEGMENT: tl.constexpr,
-                   SPLIT: tl.constexpr, SKIP: tl.constexpr, SOFTCAP: tl.constexpr, WINDOW: tl.constexpr,
-                   PRECISION: tl.constexpr):
-    tile = tl.program_id(0)
-    kv_head = tl.program_id(1) // CHUNKS
-    chunk = tl.program_id(1) % CHUNKS
-    req = tl.load(tile_req_ptr + tile)
-    tok0 = tl.load(tile_tok_ptr + tile)
-    q_start = tl.load(q_indptr_ptr + req)
-    num_new = tl.load(q_indptr_ptr + req + 1) - q_start
-    kv_start = tl.load(kv_indptr_ptr + req)
-    seq_len = tl.load(kv_indptr_ptr + req + 1) - kv_start
-    prefix = seq_len - num_new
-
-    TOKENS: tl.constexpr = BLOCK_M // HEADS_PER_TILE
-    r = tl.arange(0, BLOCK_M)
-    tok = tok0 + r // HEADS_PER_TILE
-    g = chunk * HEADS_PER_TILE + r % HEADS_PER_TILE
-    row_ok = (r < TOKENS * HEADS_PER_TILE) & (tok < num_new) & (g < GROUP)
-    pos = tl.where(row_ok, prefix + tok, -1)  # -1: a padding row sees no key
-    head = kv_head * GROUP + g
-    d = tl.arange(0, BLOCK_D)
-    d_ok = d < HEAD_DIM
-    q_rows = q_ptr + (q_start + tok).to(tl.int64) * stride_qt + head * stride_qh
-    q = tl.load(q_rows[:, None] + d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0)
-    k_head = k_ptr + kv_head.to(tl.int64) * stride_kh
-    v_head = v_ptr + kv_head.to(tl.int64) * stride_vh
-
-    last_pos = prefix + tl.minimum(tok0 + TOKENS, num_new) - 1  # the tile's last query
-    lo = 0
-    if WINDOW:
-        lo = _window_lo(prefix + tok0, window, KEY_BLOCK)
-    seg_lo = lo // SEGMENT
-    seg_hi = last_pos // SEGMENT + 1
-    if SPLIT:  # one segment, this program's; its partial result goes to the combine kernel
-        first = seg_lo
-        if SKIP:  # the segments a cascade program computed for the tile's group (_cascade_kernel)
-            seg_lo += tl.load(tile_skip_ptr + tile)
-        seg_lo += tl.program_id(2)
-        seg_hi = tl.minimum(seg_hi, seg_lo + 1)
-        m_i, l_i, acc = _segment(q, k_head, v_head, slots_ptr, kv_start, seg_lo, lo, last_pos, pos, window, qk_scale,
-                                 softcap, d, d_ok, BLOCK_M, BLOCK_D, HEAD_DIM, KEY_BLOCK, SEGMENT, SOFTCAP, WINDOW,
-                                 PRECISION)
-        part = ((tile * num_heads + head).to(tl.int64) * num_segments + seg_lo - first)
-        stored = row_ok & (r < tl.where(seg_lo < seg_hi, BLOCK_M, 0))  # past the request's segments: none
-        _store_partial(part_acc_ptr, part_ml_ptr, part, stored, m_i, l_i, acc, d, d_ok, BLOCK_D)
-    else:
-        # The segments each row merges: those holding a key it sees (padding rows: none). A split
-        # decode row sees every segment its program computes.
-        row_last = tl.where(row_ok, pos // SEGMENT, -1)
-        row_first = tl.zeros([BLOCK_M], dtype=tl.int32)
-        if WINDOW:
-            row_first = tl.maximum(pos - window + 1, 0) // SEGMENT
-        big_m = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-        big_l = tl.zeros([BLOCK_M], dtype=tl.float32)
-        big_acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-        for seg in range(seg_lo, seg_hi):
-            m_i, l_i, acc = _segment(q, k_head, v_head, slots_ptr, kv_start, seg, lo, last_pos, pos, window, qk_scale,
-                                     softcap, d, d_ok, BLOCK_M, BLOCK_D, HEAD_DIM, KEY_BLOCK, SEGMENT, SOFTCAP, WINDOW,
-                                     PRECISION)
-            sees = (seg >= row_first) & (seg <= row_last)
-            merged_m, merged_l, merged_acc = _merge(big_m, big_l, big_acc, m_i, l_i, acc)
-            big_m = tl.where(sees, merged_m, big_m)
-            big_l = tl.where(sees, merged_l, big_l)
-            big_acc = tl.where(sees[:, None], merged_acc, big_acc)
-        out_rows = out_ptr + (q_start + tok).to(tl.int64) * stride_ot + head * HEAD_DIM
-        tl.store(out_rows[:, None] + d[None, :], _normalized(big_acc, big_l, v_scale).to(out_ptr.dtype.element_ty),
-                 mask=row_ok[:, None] & d_ok[None, :])
-
-
-@triton.jit
-def _cascade_kernel(q_ptr, k_ptr, v_ptr, part_acc_ptr, part_ml_ptr, q_indptr_ptr, kv_indptr_ptr, slots_ptr,
-                    group_members_ptr, group_segments_ptr, stride_qt, stride_qh, stride_kh, stride_vh, qk_scale,
-                    softcap, num_heads, num_segments,
-                    GROUP: tl.constexpr, HEADS_PER_TILE: tl.constexpr, CHUNKS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                    BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, KEY_BLOCK: tl.constexpr, SEGMENT: tl.constexpr,
-                    SOFTCAP: tl.constexpr, PRECISION: tl.constexpr):
-    """A decode step's segments that a group of requests share (the same slots, handed out by
-    the radix cache): one program per (group tile, KV head, shared segment) reads the segment's
-    keys once for the stacked query rows of up to MEMBERS requests, and stores each row's
-    partial result where the split _attend_kernel would have (it skips these segments). A row's
-    products and sums are those of its own split program: the same _segment on a tile of the
-    same shape, whose other rows never enter its bits."""
-    group_tile = tl.program_id(0)
-    kv_head = tl.program_id(1) // CHUNKS
-    chunk = tl.program_id(1) % CHUNKS
-    seg = tl.program_id(2)
-    if seg < tl.load(group_segments_ptr + group_tile):
-        MEMBERS: tl.constexpr = BLOCK_M // HEADS_PER_TILE
-        r = tl.arange(0, BLOCK_M)
-        member = tl.load(group_members_ptr + group_tile * MEMBERS + r // HEADS_PER_TILE,
-                         mask=r < MEMBERS * HEADS_PER_TILE, other=-1)  # -1: no request
-        g = chunk * HEADS_PER_TILE + r % HEADS_PER_TILE
-        row_ok = (member >= 0) & (g < GROUP)
-        req = tl.where(row_ok, member, 0)  # a decode step: tile i is request i, its one query
-        q_row = tl.load(q_indptr_ptr + req)
-        kv_end = tl.load(kv_indptr_ptr + req + 1)
-        pos = tl.where(row_ok, kv_end - tl.load(kv_indptr_ptr + req) - 1, -1)
-        head = kv_head * GROUP + g
-        d = tl.arange(0, BLOCK_D)
-        d_ok = d < HEAD_DIM
-        q = tl.load(q_ptr + q_row.to(tl.int64)[:, None] * stride_qt + (head * stride_qh)[:, None] + d[None, :],
-                    mask=row_ok[:, None] & d_ok[None, :], other=0.0)
-        # Every member holds the same slots here: read them from the first member's row.
-        kv_start = tl.load(kv_indptr_ptr + tl.load(group_members_ptr + group_tile * MEMBERS))
-        last_pos = seg * SEGMENT + SEGMENT - 1  # the whole segment: every member sees all of it
-        m_i, l_i, acc = _segment(q, k_ptr + kv_head.to(tl.int64) * stride_kh, v_ptr + kv_head.to(tl.int64) * stride_vh,
-                                 slots_ptr, kv_start, seg, 0, last_pos, pos, 0, qk_scale, softcap, d, d_ok, BLOCK_M,
-                                 BLOCK_D, HEAD_DIM, KEY_BLOCK, SEGMENT, SOFTCAP, False, PRECISION)
-        part = (req * num_heads + head).to(tl.int64) * num_segments + seg
-        _store_partial(part_acc_ptr, part_ml_ptr, part, row_ok, m_i, l_i, acc, d, d_ok, BLOCK_D)
-
-
-@triton.jit
-def _combine_kernel(out_ptr, part_acc_ptr, part_ml_ptr, q_indptr_ptr, kv_indptr_ptr, tile_req_ptr, stride_ot,
-                    v_scale, window, num_heads, num_segments, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                    KEY_BLOCK: tl.constexpr, SEGMENT: tl.constexpr, WINDOW: tl.constexpr):
-    """A split decode row's result: its segments' partial results merged in position order, as
-    the sequential kernel merges them."""
-    tile = tl.program_id(0)
-    head = tl.program_id(1)
-    req = tl.load(tile_req_ptr + tile)
-    q_row = tl.load(q_indptr_ptr + req)
-    pos = tl.load(kv_indptr_ptr + req + 1) - tl.load(kv_indptr_ptr + req) - 1  # its one query's position
-    lo = 0
-    if WINDOW:
-        lo = _window_lo(pos, window, KEY_BLOCK)
-    count = pos // SEGMENT - lo // SEGMENT + 1
-    d = tl.arange(0, BLOCK_D)
-    one = tl.zeros([1], dtype=tl.int32)
-    base = (tile * num_heads + head).to(tl.int64) * num_segments
-    big_m = tl.full([1], float("-inf"), dtype=tl.float32)
-    big_l = tl.zeros([1], dtype=tl.float32)
-    big_acc = tl.zeros([1, BLOCK_D], dtype=tl.float32)
-    for i in range(0, count):
-        part = base + i + one
-        m = tl.load(part_ml_ptr + part * 2)
-        l = tl.load(part_ml_ptr + part * 2 + 1)
-        acc = tl.load(part_acc_ptr + part[:, None] * BLOCK_D + d[None, :])
-        big_m, big_l, big_acc = _merge(big_m, big_l, big_acc, m, l, acc)
-    out_row = out_ptr + q_row.to(tl.int64) * stride_ot + head * HEAD_DIM + one
-    tl.store(out_row[:, None] + d[None, :], _normalized(big_acc, big_l, v_scale).to(out_ptr.dtype.element_ty),
-             mask=(d < HEAD_DIM)[None, :])
 
 
 class Tables(NamedTuple):
@@ -325,17 +104,12 @@ def split_partials(num_tiles: int, num_heads: int, head_dim: int, segments: int,
             torch.empty(count * 2, dtype=torch.float32, device=device))
 
 
-def members_per_tile(group: int) -> int:
-    """Requests whose decode rows one cascade program stacks (a tile's tokens, one per request)."""
-    return tokens_per_tile(group)
-
-
 def cascade_plan(req_to_token: torch.Tensor, rows: list[int], seq_lens: list[int], group: int):
     """(members, segments, skip, saved keys) for a decode step whose requests share whole
     segments of slots (the radix cache's same few-shot prefix or system prompt), or None: group
-    tiles of up to members_per_tile requests, each tile's shared segment count, each request's
+    tiles of up to tokens_per_tile requests, each tile's shared segment count, each request's
     count to skip, and how many key positions per KV head are not read again."""
-    per_tile = members_per_tile(group)
+    per_tile = tokens_per_tile(group)  # a cascade tile's rows: one decode token per request
     if per_tile < 2:
         return None
     found = find_groups(req_to_token, rows, seq_lens, min_prefix=SEGMENT)
@@ -369,9 +143,8 @@ def cascade_if_worth_it(tables: Tables, plan, seq_lens: list[int], num_heads: in
         return tables
     own = max(-(-n // SEGMENT) - s for n, s in zip(seq_lens, skip))
     device = tables.slots.device
-    host = torch.tensor(members + shared + skip, dtype=torch.int32)
-    both = (host.pin_memory() if device.type == "cuda" else host).to(device, non_blocking=True)
-    members_t, shared_t, skip_t = both.split([len(members), len(shared), len(skip)])
+    as_int = lambda xs: torch.tensor(xs, dtype=torch.int32)  # noqa: E731
+    members_t, shared_t, skip_t = _upload([as_int(members), as_int(shared), as_int(skip)], device)
     part_acc, part_ml = split_partials(tables.num_tiles, num_heads, head_dim, total, device)
     return tables._replace(segments=total, part_acc=part_acc, part_ml=part_ml, split_programs=own, tile_skip=skip_t,
                            group_members=members_t, group_segments=shared_t, num_group_tiles=len(shared),
@@ -417,14 +190,17 @@ def host_tables(req_to_token: torch.Tensor, rows: list[int], seq_lens: list[int]
 
 
 def load_tables(host: list[torch.Tensor], device: torch.device) -> Tables:
-    """host_tables' tensors on `device` in one copy (from pinned memory on CUDA, so it queues
+    """host_tables' tensors on `device`, as Tables."""
+    return Tables(*_upload(host, device), num_tiles=host[3].numel())
+
+
+def _upload(host: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+    """Host int32 tensors on `device` in one copy (from pinned memory on CUDA, so it queues
     behind the running step instead of waiting for it)."""
     both = torch.cat(host)
     if device.type == "cuda":
         both = both.pin_memory()
-    both = both.to(device, non_blocking=True)
-    parts = both.split([t.numel() for t in host])
-    return Tables(*parts, num_tiles=host[3].numel())
+    return list(both.to(device, non_blocking=True).split([t.numel() for t in host]))
 
 
 def attend(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, tables: Tables, sm_scale: float,
@@ -455,7 +231,7 @@ def attend(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, tables: Ta
     block_d = triton.next_power_of_2(head_dim)
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
     if tables.num_group_tiles:
-        _cascade_kernel[(tables.num_group_tiles, num_kv_heads, tables.shared_segments)](
+        kernels.cascade_kernel[(tables.num_group_tiles, num_kv_heads, tables.shared_segments)](
             q, k_buf, v_buf, part_acc, part_ml, tables.q_indptr, tables.kv_indptr, tables.slots, tables.group_members,
             tables.group_segments, q.stride(0), q.stride(1), k_buf.stride(0), v_buf.stride(0), qk_scale,
             float(softcap or 1.0), num_heads, segments,
@@ -465,7 +241,7 @@ def attend(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, tables: Ta
     skip = tables.tile_skip is not None
     # No FMA contraction: a split row's merges run in the combine kernel, a sequential row's in
     # this one, and each operation must round alike in both.
-    _attend_kernel[(tables.num_tiles, num_kv_heads * chunks, max(tables.split_programs or segments, 1))](
+    kernels.attend_kernel[(tables.num_tiles, num_kv_heads * chunks, max(tables.split_programs or segments, 1))](
         q, k_buf, v_buf, out, part_acc, part_ml, tables.q_indptr, tables.kv_indptr, tables.slots, tables.tile_req,
         tables.tile_tok, tables.tile_skip if skip else tables.tile_tok, q.stride(0), q.stride(1), k_buf.stride(0),
         v_buf.stride(0), out.stride(0), qk_scale, v_scale, float(softcap or 1.0), window, num_heads, segments,
@@ -474,7 +250,7 @@ def attend(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, tables: Ta
         SOFTCAP=softcap is not None, WINDOW=spec.sliding_window is not None, PRECISION=precision,
         num_warps=num_warps(head_dim), num_stages=NUM_STAGES, enable_fp_fusion=False)
     if segments:
-        _combine_kernel[(tables.num_tiles, num_heads)](
+        kernels.combine_kernel[(tables.num_tiles, num_heads)](
             out, part_acc, part_ml, tables.q_indptr, tables.kv_indptr, tables.tile_req, out.stride(0), v_scale, window,
             num_heads, segments, HEAD_DIM=head_dim, BLOCK_D=block_d, KEY_BLOCK=KEY_BLOCK, SEGMENT=SEGMENT,
             WINDOW=spec.sliding_window is not None, num_warps=1, enable_fp_fusion=False)
