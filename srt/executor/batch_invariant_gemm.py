@@ -102,16 +102,17 @@ class ProvenFastPath:
     """A faster product used per shape only where it gives the reference's bits: the first call
     of each shape key runs both on a random probe of that shape (strides and alignment too) and
     keeps the fast one for that key only if every output matched. A probe, not the call's own
-    input, because a degenerate input (zeros, a warm-up's) could match by chance. A key first
-    met while a CUDA graph is being captured (no host sync allowed) runs the reference and is
-    proven on a later eager call. fast and reference: (x, weight, bias) -> x @ weight^T
-    (+ bias). Calls of fewer than min_rows rows run the reference; row counts are padded up to a
-    multiple of row_bucket, so few keys need a proof."""
+    input, because a degenerate input (zeros, a warm-up's) could match by chance. On CUDA the
+    verdict comes back without a host sync (_PendingProof): until it has, and for a key first
+    met while a graph is being captured, calls run the reference, which has the same bits
+    anyway. fast and reference: (x, weight, bias) -> x @ weight^T (+ bias). Calls of fewer than
+    min_rows rows run the reference; row counts are padded up to a multiple of row_bucket, so
+    few keys need a proof."""
 
     def __init__(self, fast, reference, min_rows: int, row_bucket: int):
         self.fast, self.reference = fast, reference
         self.min_rows, self.row_bucket = min_rows, row_bucket
-        self.same_bits: dict[tuple, bool] = {}
+        self.same_bits: dict[tuple, bool | _PendingProof] = {}
 
     def run(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
         """The fast product, where proven for this shape; None where the caller must run the
@@ -124,25 +125,52 @@ class ProvenFastPath:
         key = (rows, weight.shape[0], weight.shape[1], x.dtype, weight.dtype, None if bias is None else bias.dtype,
                x.device.index) + ((x.stride(0), x.data_ptr() % 256) if rows == m else ())
         same = self.same_bits.get(key)
+        capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
         if same is None:
-            if x.is_cuda and torch.cuda.is_current_stream_capturing():
+            if capturing:
                 return None
             same = self.same_bits[key] = self._prove(x, rows, weight, bias)
+        if isinstance(same, _PendingProof):
+            verdict = None if capturing else same.verdict()
+            if verdict is None:
+                return None
+            same = self.same_bits[key] = verdict
         if not same:
             return None
         padded = x if rows == m else torch.cat([x, x.new_zeros(rows - m, x.shape[1])])
         return self.fast(padded, weight, bias)[:m]
 
-    def _prove(self, x: torch.Tensor, rows: int, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    def _prove(self, x: torch.Tensor, rows: int, weight: torch.Tensor,
+               bias: torch.Tensor | None) -> bool | _PendingProof:
         """Whether fast and reference give the same bits on a random input shaped as the call's
-        (padded: a fresh [rows, K] tensor; else x's row stride and pointer alignment)."""
+        (padded: a fresh [rows, K] tensor; else x's row stride and pointer alignment); on CUDA,
+        a _PendingProof of it."""
         k = x.shape[1]
         stride = k if rows != x.shape[0] else x.stride(0)
         offset = 0 if rows != x.shape[0] else x.data_ptr() % 256 // x.element_size()
         generator = torch.Generator(device=x.device).manual_seed(0)
         flat = torch.randn(offset + (rows - 1) * stride + k, generator=generator, device=x.device).to(x.dtype)
         probe = flat.as_strided((rows, k), (stride, 1), offset)
-        return torch.equal(self.fast(probe, weight, bias), self.reference(probe, weight, bias))
+        fast, reference = self.fast(probe, weight, bias), self.reference(probe, weight, bias)
+        if x.is_cuda:
+            return _PendingProof(fast.shape == reference.shape and (fast == reference).all())
+        return torch.equal(fast, reference)
+
+
+class _PendingProof:
+    """A proof still on the device: its verdict is copied into pinned host memory behind the
+    products, and read once an event says it is there. torch.equal would wait for the whole
+    queue (the running step too), a stall on the serving path for every shape met first."""
+
+    def __init__(self, same: torch.Tensor | bool):
+        self._host = torch.empty((), dtype=torch.bool, pin_memory=True)
+        self._host.copy_(same if isinstance(same, torch.Tensor) else torch.tensor(same), non_blocking=True)
+        self._copied = torch.cuda.Event()
+        self._copied.record()
+
+    def verdict(self) -> bool | None:
+        """Whether the products matched; None while the device is still on it."""
+        return bool(self._host) if self._copied.query() else None
 
 
 def _picked_triton_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
