@@ -55,7 +55,7 @@ class Setup:
         if cascade:
             plan = kernel.cascade_plan(table, rows, seq_lens, group)
             tables = kernel.cascade_if_worth_it(tables, plan, seq_lens, self.heads, self.kv_heads, self.head_dim, 0)
-            assert tables.num_group_tiles, "no shared segments"
+            assert tables.cascade_programs, "no shared segments"
         elif all(n == 1 for n in extend_lens):  # as the backend plans a decode step: split where it pays
             tables = kernel.split_if_worth_it(tables, self.heads, self.kv_heads, self.head_dim, max(seq_lens))
         return kernel.attend(q, self.k_buf, self.v_buf, tables, self.head_dim ** -0.5, spec, *self.scales)
@@ -137,8 +137,9 @@ def cascade_variants(setup: Setup, spec: LayerAttention, max_len: int) -> dict[s
     """Request 0's query at position 2 * SEGMENT + 21 (the setup needs 40 rows) alone, and in
     cascade decode steps where other requests hold the same slots as its first two segments (as
     the radix cache hands a shared prefix out): a group of 2, a group of 24 (two group tiles), a
-    group sharing only its first segment, and two groups beside requests of their own. The
-    shared segments then come from the cascade kernel, the rest from split programs."""
+    group sharing only its first segment, two groups beside requests of their own, and the
+    group of 24 beside loners from a cascade graph's fixed tables. The shared segments then
+    come from the cascade kernel, the rest from split programs."""
     rng = random.Random(1)
     seg = kernel.SEGMENT
     pos = 2 * seg + 21
@@ -161,7 +162,32 @@ def cascade_variants(setup: Setup, spec: LayerAttention, max_len: int) -> dict[s
     in_batch("sharing one segment", [30, 31, 0, 32], [seg + 40, max_len, pos + 1, pos], 2)
     in_batch("two groups and loners", [34, 2, 39, 35, 0, 38, 3, 36], [rng.randint(seg + 1, max_len) for _ in range(4)]
              + [pos + 1] + [rng.randint(seg + 1, max_len) for _ in range(3)], 4)
+    rows = list(range(1, 13)) + [0] + list(range(13, 24)) + [34, 35, 36, 38]
+    lens = shared_lens(12) + [pos + 1] + shared_lens(11) + [rng.randint(seg + 1, max_len) for _ in range(4)]
+    q = setup.queries(len(rows))
+    q[12] = q_row[0]
+    found["cascade graph tables"] = cascade_graph_rows(setup, spec, table, rows, lens, q, bs=32)[12]
     return found
+
+
+def cascade_graph_rows(setup: Setup, spec: LayerAttention, table: torch.Tensor, rows: list[int], lens: list[int],
+                       q: torch.Tensor, bs: int) -> torch.Tensor:
+    """A decode step through the backend's cascade graph tables for bucket bs (padded past the
+    batch), planned as cuda_graph_runner does: capture with nothing shared, then replay."""
+    pool = KVPool(1, 1, setup.kv_heads, setup.head_dim, setup.k_buf.dtype, "cpu")
+    pool.k_buffers, pool.v_buffers = [setup.k_buf], [setup.v_buf]
+    pool.k_scale, pool.v_scale = setup.scales
+    backend = TritonDeterministicBackend(pool, table, setup.head_dim ** -0.5, setup.heads, [spec])
+    backend._min_saved_keys = 0  # whatever this small setup saves
+    backend.init_cuda_graph_state(bs, 1)
+    loc = torch.zeros(bs, dtype=torch.int64, device=setup.device)
+    batch = decode_batch(rows, lens)
+    variant = backend.choose_cuda_graph_variant(batch, bs)
+    assert variant == "cascade", variant
+    handle = backend.capture_cuda_graph_plan(variant, bs, loc)
+    backend.replay_cuda_graph_plan(variant, handle, batch, bs, loc)
+    q = torch.cat([q, setup.queries(bs - len(rows))])
+    return kernel.attend(q, setup.k_buf, setup.v_buf, backend._tables, setup.head_dim ** -0.5, spec, *setup.scales)
 
 
 def graph_row(setup: Setup, spec: LayerAttention, q_row: torch.Tensor, split: bool) -> torch.Tensor:

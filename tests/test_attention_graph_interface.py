@@ -102,6 +102,9 @@ class RecordingBackend(AttentionBackend):
         self.calls.append(("prefers_eager", batch.batch_size))
         return batch.batch_size == 1
 
+    def graph_can_replay(self, batch):
+        return batch.batch_size != 5  # as if its keys overflowed the graphs' tables
+
     @property
     def supports_cuda_graph(self) -> bool:
         return True
@@ -154,6 +157,7 @@ def test_graph_runner_calls_the_hooks_in_the_documented_order(monkeypatch):
     backend.calls.clear()
     assert not runner.should_replay(_decode_batch(1)) and runner.should_replay(_decode_batch(2))
     assert runner.should_replay(_decode_batch(3)) and not runner.should_replay(_decode_batch(7))
+    assert not runner.should_replay(_decode_batch(5))  # does not fit: eager though its bucket has variants
     assert backend.calls == [("prefers_eager", 1), ("prefers_eager", 2)]
 
     backend.calls.clear()

@@ -56,7 +56,10 @@ for dtype, pool, specs in ((torch.half, torch.half, SPECS[::3]), (torch.half, FP
 print(bad or f"ok {{len(found)}}")
 """
 
-CASCADE_CHECK = ROW_BY_ROW_DOT + SMALL_SEGMENTS + f"""
+# Fewer cascade and split programs than pairs and segments: each program takes several.
+FEW_PROGRAMS = "deterministic_triton.CASCADE_PROGRAMS = 3; deterministic_triton.SPLIT_BELOW_PROGRAMS = 16\n"
+
+CASCADE_CHECK = ROW_BY_ROW_DOT + SMALL_SEGMENTS + FEW_PROGRAMS + f"""
 import sys, torch
 sys.path.insert(0, {TESTS!r})
 from deterministic_attention_checks import FP8, SPECS, Setup, cascade_variants, differing
@@ -87,7 +90,7 @@ def test_a_row_has_the_same_bits_in_cascade_decode_steps():
     per group tile; the row's bits equal its own split computation (an FP8 pool with a soft-cap,
     float32)."""
     result = run_in_interpreter(CASCADE_CHECK)
-    assert result == "ok 5", result
+    assert result == "ok 6", result
 
 
 def test_backend_plans_graph_tables_with_padding_and_falls_back_when_they_are_full():
@@ -111,20 +114,20 @@ def test_backend_plans_graph_tables_with_padding_and_falls_back_when_they_are_fu
     assert tables.num_tiles == 4 and tables.kv_indptr[:5].tolist() == [0, 10, 40, 41, 42]
     assert tables.slots[:40].tolist() == setup.table[2, :10].tolist() + setup.table[5, :30].tolist()
     assert tables.slots[40:42].tolist() == [0, 0]  # the padding rows' key, on the padding page
-    assert not backend.prefers_eager(batch)
-    assert backend.prefers_eager(decode_batch([1, 2], [50, 40]))
+    assert backend.graph_can_replay(batch)
+    assert not backend.graph_can_replay(decode_batch([1, 2], [50, 40]))  # 90 keys: more than the table holds
 
 
 def test_backend_runs_a_decode_step_with_shared_segments_as_a_cascade_step(monkeypatch):
-    """Requests holding the same slots for whole segments: plan() makes a cascade step (group
-    tiles, each member skipping the shared segments) once the reads saved pass the eager
-    threshold, and prefers_eager() leaves the graph only past the graph threshold; windows and
-    --disable-cascade-attention keep the step plain."""
+    """Requests holding the same slots for whole segments: once the reads saved pass the
+    threshold, plan() makes a cascade step (group tiles, each member skipping the shared
+    segments) and a graph bucket replays its cascade variant, whose fixed tables hold the same
+    plan; windows and --disable-cascade-attention keep the step plain."""
     from deterministic_attention_checks import Setup, decode_batch
 
     from radixlm.srt.executor.attention import deterministic_cuda
     from radixlm.srt.executor.attention import deterministic_triton as kernel
-    from radixlm.srt.executor.attention.deterministic_cuda import TritonDeterministicBackend
+    from radixlm.srt.executor.attention.deterministic_cuda import CASCADE_GRAPH_VARIANT, TritonDeterministicBackend
     from radixlm.srt.executor.attention.layer_spec import LayerAttention
     from radixlm.srt.executor.mem_pool import KVPool
 
@@ -136,24 +139,33 @@ def test_backend_runs_a_decode_step_with_shared_segments_as_a_cascade_step(monke
     key_bytes = 2 * 2 * 16 * 2  # K and V, 2 KV heads of 16 halves
     saved = 5 * 128  # five members read the two segments the first one reads for them
 
-    def backend(graph_bytes, eager_bytes, **kwargs):
-        monkeypatch.setattr(deterministic_cuda, "CASCADE_GRAPH_MIN_SAVED_BYTES", graph_bytes)
-        monkeypatch.setattr(deterministic_cuda, "CASCADE_EAGER_MIN_SAVED_BYTES", eager_bytes)
+    def backend(min_saved_bytes, **kwargs):
+        monkeypatch.setattr(deterministic_cuda, "CASCADE_MIN_SAVED_BYTES", min_saved_bytes)
         made = TritonDeterministicBackend(pool, setup.table, 0.25, 8, **kwargs)
         made.init_cuda_graph_state(8, 16)
         made.plan(batch)
         return made
 
-    made = backend(saved * key_bytes, saved * key_bytes)
+    made = backend(saved * key_bytes)
     tables = made._tables
-    assert made.prefers_eager(batch) and tables.num_group_tiles == 1 and tables.shared_segments == 2
-    assert tables.group_members.tolist() == [0, 1, 3, 4, 5, 6] + [-1] * 10
+    assert tables.cascade_programs == 2 and tables.cascade_items.tolist() == [0, 0, 0, 1]  # tile 0, segments 0, 1
+    assert tables.cascade_count.tolist() == [2] and tables.group_members.tolist() == [0, 1, 3, 4, 5, 6] + [-1] * 10
     assert tables.tile_skip.tolist() == [2, 2, 0, 2, 2, 2, 2] and tables.segments == 4 and tables.split_programs == 2
-    made = backend(saved * key_bytes + 1, saved * key_bytes)
-    assert not made.prefers_eager(batch) and made._tables.num_group_tiles == 1
-    assert backend(1, saved * key_bytes + 1)._tables.num_group_tiles == 0
-    for plain in (backend(1, 1, cascade=False), backend(1, 1, layers=[LayerAttention(100, None)])):
-        assert not plain.prefers_eager(batch) and plain._tables.num_group_tiles == 0
+    assert CASCADE_GRAPH_VARIANT in made.cuda_graph_variants(8)
+    assert made.choose_cuda_graph_variant(batch, 8) == CASCADE_GRAPH_VARIANT
+    loc = torch.zeros(8, dtype=torch.int64)
+    handle = made.capture_cuda_graph_plan(CASCADE_GRAPH_VARIANT, 8, loc)
+    assert made._tables.cascade_count.tolist() == [0]  # captured with nothing shared
+    made.replay_cuda_graph_plan(CASCADE_GRAPH_VARIANT, handle, batch, 8, loc)
+    graph = made._tables
+    assert graph.cascade_count.tolist() == [2] and graph.cascade_items[:4].tolist() == [0, 0, 0, 1]
+    assert graph.group_members[:16].tolist() == [0, 1, 3, 4, 5, 6] + [-1] * 10
+    assert graph.tile_skip.tolist() == [2, 2, 0, 2, 2, 2, 2, 0]  # the padding row skips nothing
+    assert graph.segments == 4 and graph.split_programs == 16 and graph.cascade_programs == kernel.CASCADE_PROGRAMS
+    made = backend(saved * key_bytes + 1)
+    assert made._tables.cascade_programs == 0 and made.choose_cuda_graph_variant(batch, 8) != CASCADE_GRAPH_VARIANT
+    for plain in (backend(1, cascade=False), backend(1, layers=[LayerAttention(100, None)])):
+        assert plain._tables.cascade_programs == 0 and CASCADE_GRAPH_VARIANT not in plain.cuda_graph_variants(8)
 
 
 def test_kernel_compiles_for_hopper_without_spilling():

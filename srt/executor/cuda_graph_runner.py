@@ -86,9 +86,10 @@ class CudaGraphRunner:
 
     def should_replay(self, batch: ForwardBatch) -> bool:
         """Whether `batch` runs from a graph rather than eagerly: a decode batch within the
-        largest bucket, unless its bucket has only the default graph and the backend would
-        rather plan it eagerly (a bucket with variants lets the backend choose among them)."""
-        if not (batch.is_decode and batch.batch_size <= self.max_bs):
+        largest bucket that fits the backend's graph state, unless its bucket has only the
+        default graph and the backend would rather plan it eagerly (a bucket with variants lets
+        the backend choose among them)."""
+        if not (batch.is_decode and batch.batch_size <= self.max_bs and self.backend.graph_can_replay(batch)):
             return False
         variants = len(self.graphs[self._bucket(batch.batch_size)]) // (2 if self.lora is not None else 1)
         return variants > 1 or not self.backend.prefers_eager(batch)

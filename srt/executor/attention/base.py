@@ -48,6 +48,11 @@ class AttentionBackend(abc.ABC):
     @abc.abstractmethod
     def plan(self, batch: ForwardBatch) -> None: ...
 
+    def graph_can_replay(self, batch: ForwardBatch) -> bool:
+        """False when this decode batch does not fit the fixed-size state the graphs were
+        captured with (it then runs eagerly, whatever the bucket's variants)."""
+        return True
+
     def prefers_eager(self, batch: ForwardBatch) -> bool:
         """True when this batch should be planned and run eagerly even though a CUDA graph could
         replay it (an attention plan the graph does not hold, such as cascade, is worth more).

@@ -23,11 +23,10 @@ from .layer_spec import LOGIT_SOFTCAP, SLIDING_WINDOW, LayerAttention
 
 PADDING_SLOT = 0  # cuda_graph_runner.PADDING_SLOT: padding rows' one key
 # Cascade decode (deterministic_triton.cascade_if_worth_it) saves re-reading the segments a group
-# of requests shares. It runs eagerly, so a step that could replay a graph takes it only when it
-# saves at least CASCADE_GRAPH_MIN_SAVED_BYTES of K/V reads per layer; a step running eagerly
-# anyway takes it from CASCADE_EAGER_MIN_SAVED_BYTES (two more small launches a layer).
-CASCADE_GRAPH_MIN_SAVED_BYTES = 256 << 20
-CASCADE_EAGER_MIN_SAVED_BYTES = 32 << 20
+# of requests shares, for two more launches a layer: taken from this many bytes of K/V reads
+# saved per layer, replayed from a bucket's cascade graph or eagerly.
+CASCADE_MIN_SAVED_BYTES = 32 << 20
+CASCADE_GRAPH_VARIANT = "cascade"
 
 
 class TritonDeterministicBackend(AttentionBackend):
@@ -53,8 +52,7 @@ class TritonDeterministicBackend(AttentionBackend):
         self.cascade = cascade and all(layer.sliding_window is None for layer in self.layers)
         self._plan_of: tuple[ForwardBatch, object] | None = None
         pool_bytes = kv_pool.k_buffers[0].element_size() * self.num_kv_heads * self.head_dim * 2
-        self._min_saved_keys = {graph: -(-threshold // pool_bytes) for graph, threshold in
-                                ((True, CASCADE_GRAPH_MIN_SAVED_BYTES), (False, CASCADE_EAGER_MIN_SAVED_BYTES))}
+        self._min_saved_keys = -(-CASCADE_MIN_SAVED_BYTES // pool_bytes)
 
     def plan(self, batch: ForwardBatch) -> None:
         rows, seq_lens = batch.req_pool_indices_cpu, batch.seq_lens_cpu
@@ -62,8 +60,8 @@ class TritonDeterministicBackend(AttentionBackend):
         tables = kernel.load_tables(host, self.device)
         if all(n == 1 for n in batch.extend_lens_cpu):
             tables = kernel.cascade_if_worth_it(tables, self._cascade_plan(batch), seq_lens, self.num_heads,
-                                                self.num_kv_heads, self.head_dim, self._min_saved_keys[False])
-            if not tables.num_group_tiles:
+                                                self.num_kv_heads, self.head_dim, self._min_saved_keys)
+            if not tables.cascade_programs:
                 tables = kernel.split_if_worth_it(tables, self.num_heads, self.num_kv_heads, self.head_dim,
                                                   max(seq_lens))
         self._tables = tables
@@ -81,16 +79,12 @@ class TritonDeterministicBackend(AttentionBackend):
     def supports_cuda_graph(self) -> bool:
         return True
 
-    def prefers_eager(self, batch: ForwardBatch) -> bool:
-        """A batch whose keys do not fit the graph's slot table runs eagerly (the same kernel), and
-        so does one whose shared segments save enough reads to pay for eager launches."""
-        if sum(batch.seq_lens_cpu) > self._graph.slots.numel():
-            return True
-        plan = self._cascade_plan(batch)
-        return plan is not None and plan[3] >= self._min_saved_keys[True]
+    def graph_can_replay(self, batch: ForwardBatch) -> bool:
+        """A batch whose keys do not fit the graph's slot table runs eagerly (the same kernels)."""
+        return sum(batch.seq_lens_cpu) <= self._graph.slots.numel()
 
     def _cascade_plan(self, batch: ForwardBatch):
-        """kernel.cascade_plan for a decode batch, found once per batch (prefers_eager, then plan)."""
+        """kernel.cascade_plan for a decode batch, found once per batch (choose_cuda_graph_variant or plan)."""
         if not (self.cascade and batch.is_decode):
             return None
         if self._plan_of is None or self._plan_of[0] is not batch:
@@ -100,11 +94,15 @@ class TritonDeterministicBackend(AttentionBackend):
 
     def init_cuda_graph_state(self, max_bs: int, max_pages_per_req: int) -> None:
         # Room for every request at full context, or for twice the pool (more only where the
-        # radix cache shares slots between requests; prefers_eager runs those eagerly).
+        # radix cache shares slots between requests; graph_can_replay runs those eagerly).
         capacity = min(max_bs * self.req_to_token.shape[1], 2 * self.kv_pool.k_buffers[0].shape[1])
-        self._graph = _GraphTables(max_bs, capacity, self.device)
-        # One workspace for every split graph (one replays at a time), as large as any may need.
-        rows = max((bs * segments for bs in range(1, max_bs + 1) for segments in self._split_bounds(bs)), default=0)
+        context_segments = -(-self.req_to_token.shape[1] // kernel.SEGMENT)
+        members = kernel.tokens_per_tile(self.group)
+        self._graph = _GraphTables(max_bs, capacity, members, max_bs * context_segments, self.device)
+        # One workspace for every split and cascade graph (one replays at a time), as large as
+        # any may need.
+        rows = max([bs * segments for bs in range(1, max_bs + 1) for segments in self._split_bounds(bs)]
+                   + [bs * self._cascade_segments(bs) for bs in range(1, max_bs + 1)])
         self._graph_partials = kernel.split_partials(rows, self.num_heads, self.head_dim, 1, self.device)
 
     def _split_bounds(self, bs: int) -> list[int]:
@@ -123,12 +121,27 @@ class TritonDeterministicBackend(AttentionBackend):
             self._bounds[bs] = bounds
         return bounds
 
+    def _cascade_segments(self, bs: int) -> int:
+        """Segments per row a cascade graph of bs rows keeps partial results for: the context's,
+        or as many as fit CASCADE_WORKSPACE_BYTES; 0: no cascade graph at bs."""
+        if not self.cascade or bs < 2 or kernel.tokens_per_tile(self.group) < 2 or self.group > kernel.BLOCK_M:
+            return 0
+        per_segment = 4 * kernel.split_partials_floats(bs, self.num_heads, self.head_dim, 1)
+        segments = min(-(-self.req_to_token.shape[1] // kernel.SEGMENT), kernel.CASCADE_WORKSPACE_BYTES // per_segment)
+        return segments if segments >= 2 else 0
+
     def cuda_graph_variants(self, bs: int) -> tuple[str, ...]:
-        """DEFAULT_GRAPH_VARIANT runs sequentially (any length); "splitN" splits into N segments."""
-        return (DEFAULT_GRAPH_VARIANT,) + tuple(f"split{n}" for n in self._split_bounds(bs))
+        """DEFAULT_GRAPH_VARIANT runs sequentially (any length); "splitN" splits into N segments;
+        CASCADE_GRAPH_VARIANT is a cascade step (split, with group tiles)."""
+        cascade = (CASCADE_GRAPH_VARIANT,) if self._cascade_segments(bs) else ()
+        return (DEFAULT_GRAPH_VARIANT,) + tuple(f"split{n}" for n in self._split_bounds(bs)) + cascade
 
     def choose_cuda_graph_variant(self, batch: ForwardBatch, bs: int) -> str:
         needed = -(-max(batch.seq_lens_cpu) // kernel.SEGMENT)
+        plan = self._cascade_plan(batch)
+        if (plan is not None and plan[3] >= self._min_saved_keys and needed <= self._cascade_segments(bs)
+                and sum(plan[1]) <= self._graph.item_capacity):
+            return CASCADE_GRAPH_VARIANT
         fits = [n for n in self._split_bounds(bs) if n >= needed] if needed >= 2 else []
         return f"split{fits[0]}" if fits else DEFAULT_GRAPH_VARIANT
 
@@ -140,9 +153,17 @@ class TritonDeterministicBackend(AttentionBackend):
                                out_cache_loc: torch.Tensor) -> None:
         rows, seq_lens = (batch.req_pool_indices_cpu, batch.seq_lens_cpu) if batch is not None else ([], [])
         tables = self._graph.plan(self.req_to_token, rows, seq_lens, bs)
-        if variant != DEFAULT_GRAPH_VARIANT:
-            tables = tables._replace(segments=int(variant.removeprefix("split")), part_acc=self._graph_partials[0],
-                                     part_ml=self._graph_partials[1])
+        part_acc, part_ml = self._graph_partials
+        if variant == CASCADE_GRAPH_VARIANT:
+            plan = self._cascade_plan(batch) if batch is not None else None
+            # Fixed grids: every KV head's CASCADE_PROGRAMS cascade programs, and split programs
+            # enough to fill the GPU, each taking every split_programs-th of its own segments.
+            programs = max(1, -(-kernel.SPLIT_BELOW_PROGRAMS // (bs * self.num_kv_heads)))
+            tables = self._graph.cascade(tables, plan, bs)._replace(
+                segments=self._cascade_segments(bs), part_acc=part_acc, part_ml=part_ml, split_programs=programs,
+                cascade_programs=kernel.CASCADE_PROGRAMS)
+        elif variant != DEFAULT_GRAPH_VARIANT:
+            tables = tables._replace(segments=int(variant.removeprefix("split")), part_acc=part_acc, part_ml=part_ml)
         self._tables = tables
         self._out_cache_loc = out_cache_loc
 
@@ -152,13 +173,21 @@ class _GraphTables:
     (q row i), so only the keys' offsets and slots change between replays; every bucket shares
     them (one graph runs at a time). Padding rows see one key, at PADDING_SLOT."""
 
-    def __init__(self, max_bs: int, capacity: int, device: torch.device):
+    def __init__(self, max_bs: int, capacity: int, members: int, item_capacity: int, device: torch.device):
+        """capacity: key slots; members: requests per cascade group tile; item_capacity:
+        (group tile, shared segment) pairs a cascade step may list."""
         arange = torch.arange(max_bs + 1, dtype=torch.int32, device=device)
         self.q_indptr = arange
         self.tile_req = arange[:max_bs]
         self.tile_tok = torch.zeros(max_bs, dtype=torch.int32, device=device)
         self.kv_indptr = arange.clone()
         self.slots = torch.zeros(capacity, dtype=torch.int32, device=device)
+        # A cascade step's tables: a group tile has at least one member, so max_bs of them fit.
+        self.tile_skip = torch.zeros(max_bs, dtype=torch.int32, device=device)
+        self.group_members = torch.full((max_bs * members,), -1, dtype=torch.int32, device=device)
+        self.item_capacity = item_capacity
+        self.items = torch.zeros(2 * item_capacity, dtype=torch.int32, device=device)
+        self.item_count = torch.zeros(1, dtype=torch.int32, device=device)
 
     def plan(self, req_to_token: torch.Tensor, rows: list[int], seq_lens: list[int], bs: int) -> kernel.Tables:
         num_pad = bs - len(rows)
@@ -174,3 +203,22 @@ class _GraphTables:
         self.kv_indptr[:bs + 1].copy_(both[:bs + 1])
         self.slots[:host.numel() - bs - 1].copy_(both[bs + 1:])
         return kernel.Tables(self.q_indptr, self.kv_indptr, self.slots, self.tile_req, self.tile_tok, bs)
+
+    def cascade(self, tables: kernel.Tables, plan, bs: int) -> kernel.Tables:
+        """`tables` (plan's, for the same batch) as a cascade step of cascade_plan's `plan`
+        (None: a step with no shared segment, as captured): padding rows and loners skip
+        nothing."""
+        members, shared, skip, _ = plan if plan is not None else ([], [], [], 0)
+        items = kernel.cascade_items(shared)
+        as_int = lambda xs: torch.tensor(xs, dtype=torch.int32)  # noqa: E731
+        host = torch.cat([as_int([len(items) // 2]), as_int(list(skip) + [0] * (bs - len(skip))), as_int(members),
+                          as_int(items)])
+        if self.slots.is_cuda:
+            host = host.pin_memory()
+        both = host.to(self.slots.device, non_blocking=True)
+        self.item_count.copy_(both[:1])
+        self.tile_skip[:bs].copy_(both[1:bs + 1])
+        self.group_members[:len(members)].copy_(both[bs + 1:bs + 1 + len(members)])
+        self.items[:len(items)].copy_(both[bs + 1 + len(members):])
+        return tables._replace(tile_skip=self.tile_skip, group_members=self.group_members, cascade_items=self.items,
+                               cascade_count=self.item_count)

@@ -119,18 +119,18 @@ def attend_kernel(q_ptr, k_ptr, v_ptr, out_ptr, part_acc_ptr, part_ml_ptr, q_ind
         lo = _window_lo(prefix + tok0, window, KEY_BLOCK)
     seg_lo = lo // SEGMENT
     seg_hi = last_pos // SEGMENT + 1
-    if SPLIT:  # one segment, this program's; its partial result goes to the combine kernel
+    if SPLIT:  # each segment on its own; their partial results go to the combine kernel
         first = seg_lo
         if SKIP:  # the segments a cascade program computed for the tile's group (cascade_kernel)
             seg_lo += tl.load(tile_skip_ptr + tile)
-        seg_lo += tl.program_id(2)
-        seg_hi = tl.minimum(seg_hi, seg_lo + 1)
-        m_i, l_i, acc = _segment(q, k_head, v_head, slots_ptr, kv_start, seg_lo, lo, last_pos, pos, window, qk_scale,
-                                 softcap, d, d_ok, BLOCK_M, BLOCK_D, HEAD_DIM, KEY_BLOCK, SEGMENT, SOFTCAP, WINDOW,
-                                 PRECISION)
-        part = ((tile * num_heads + head).to(tl.int64) * num_segments + seg_lo - first)
-        stored = row_ok & (r < tl.where(seg_lo < seg_hi, BLOCK_M, 0))  # past the request's segments: none
-        _store_partial(part_acc_ptr, part_ml_ptr, part, stored, m_i, l_i, acc, d, d_ok, BLOCK_D)
+        # This program's segments: every num_programs(2)-th (one each when the grid has a
+        # program per segment; a graph's fixed grid may have fewer). Past the end: none.
+        for seg in range(seg_lo + tl.program_id(2), seg_hi, tl.num_programs(2)):
+            m_i, l_i, acc = _segment(q, k_head, v_head, slots_ptr, kv_start, seg, lo, last_pos, pos, window,
+                                     qk_scale, softcap, d, d_ok, BLOCK_M, BLOCK_D, HEAD_DIM, KEY_BLOCK, SEGMENT,
+                                     SOFTCAP, WINDOW, PRECISION)
+            part = (tile * num_heads + head).to(tl.int64) * num_segments + seg - first
+            _store_partial(part_acc_ptr, part_ml_ptr, part, row_ok, m_i, l_i, acc, d, d_ok, BLOCK_D)
     else:
         # The segments each row merges: those holding a key it sees (padding rows: none). A split
         # decode row sees every segment its program computes.
@@ -157,43 +157,45 @@ def attend_kernel(q_ptr, k_ptr, v_ptr, out_ptr, part_acc_ptr, part_ml_ptr, q_ind
 
 @triton.jit
 def cascade_kernel(q_ptr, k_ptr, v_ptr, part_acc_ptr, part_ml_ptr, q_indptr_ptr, kv_indptr_ptr, slots_ptr,
-                    group_members_ptr, group_segments_ptr, stride_qt, stride_qh, stride_kh, stride_vh, qk_scale,
-                    softcap, num_heads, num_segments,
-                    GROUP: tl.constexpr, HEADS_PER_TILE: tl.constexpr, CHUNKS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                    BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, KEY_BLOCK: tl.constexpr, SEGMENT: tl.constexpr,
-                    SOFTCAP: tl.constexpr, PRECISION: tl.constexpr):
+                   group_members_ptr, items_ptr, num_items_ptr, stride_qt, stride_qh, stride_kh, stride_vh, qk_scale,
+                   softcap, num_heads, num_segments,
+                   GROUP: tl.constexpr, HEADS_PER_TILE: tl.constexpr, CHUNKS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                   BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, KEY_BLOCK: tl.constexpr, SEGMENT: tl.constexpr,
+                   SOFTCAP: tl.constexpr, PRECISION: tl.constexpr):
     """A decode step's segments that a group of requests share (the same slots, handed out by
-    the radix cache): one program per (group tile, KV head, shared segment) reads the segment's
-    keys once for the stacked query rows of up to MEMBERS requests, and stores each row's
-    partial result where the split attend_kernel would have (it skips these segments). A row's
-    products and sums are those of its own split program: the same _segment on a tile of the
-    same shape, whose other rows never enter its bits."""
-    group_tile = tl.program_id(0)
+    the radix cache): per (group tile, shared segment) pair and KV head, the segment's keys are
+    read once for the stacked query rows of up to MEMBERS requests, and each row's partial
+    result is stored where the split attend_kernel would have put it (it skips these segments).
+    Program p takes pairs p, p + num_programs, ... of the *num_items_ptr listed. A row's products
+    and sums are those of its own split program: the same _segment on a tile of the same shape,
+    whose other rows never enter its bits."""
     kv_head = tl.program_id(1) // CHUNKS
     chunk = tl.program_id(1) % CHUNKS
-    seg = tl.program_id(2)
-    if seg < tl.load(group_segments_ptr + group_tile):
-        MEMBERS: tl.constexpr = BLOCK_M // HEADS_PER_TILE
-        r = tl.arange(0, BLOCK_M)
+    MEMBERS: tl.constexpr = BLOCK_M // HEADS_PER_TILE
+    r = tl.arange(0, BLOCK_M)
+    g = chunk * HEADS_PER_TILE + r % HEADS_PER_TILE
+    head = kv_head * GROUP + g
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < HEAD_DIM
+    k_head = k_ptr + kv_head.to(tl.int64) * stride_kh
+    v_head = v_ptr + kv_head.to(tl.int64) * stride_vh
+    for item in range(tl.program_id(0), tl.load(num_items_ptr), tl.num_programs(0)):
+        group_tile = tl.load(items_ptr + 2 * item)
+        seg = tl.load(items_ptr + 2 * item + 1)
         member = tl.load(group_members_ptr + group_tile * MEMBERS + r // HEADS_PER_TILE,
                          mask=r < MEMBERS * HEADS_PER_TILE, other=-1)  # -1: no request
-        g = chunk * HEADS_PER_TILE + r % HEADS_PER_TILE
         row_ok = (member >= 0) & (g < GROUP)
         req = tl.where(row_ok, member, 0)  # a decode step: tile i is request i, its one query
         q_row = tl.load(q_indptr_ptr + req)
         kv_end = tl.load(kv_indptr_ptr + req + 1)
         pos = tl.where(row_ok, kv_end - tl.load(kv_indptr_ptr + req) - 1, -1)
-        head = kv_head * GROUP + g
-        d = tl.arange(0, BLOCK_D)
-        d_ok = d < HEAD_DIM
         q = tl.load(q_ptr + q_row.to(tl.int64)[:, None] * stride_qt + (head * stride_qh)[:, None] + d[None, :],
                     mask=row_ok[:, None] & d_ok[None, :], other=0.0)
         # Every member holds the same slots here: read them from the first member's row.
         kv_start = tl.load(kv_indptr_ptr + tl.load(group_members_ptr + group_tile * MEMBERS))
         last_pos = seg * SEGMENT + SEGMENT - 1  # the whole segment: every member sees all of it
-        m_i, l_i, acc = _segment(q, k_ptr + kv_head.to(tl.int64) * stride_kh, v_ptr + kv_head.to(tl.int64) * stride_vh,
-                                 slots_ptr, kv_start, seg, 0, last_pos, pos, 0, qk_scale, softcap, d, d_ok, BLOCK_M,
-                                 BLOCK_D, HEAD_DIM, KEY_BLOCK, SEGMENT, SOFTCAP, False, PRECISION)
+        m_i, l_i, acc = _segment(q, k_head, v_head, slots_ptr, kv_start, seg, 0, last_pos, pos, 0, qk_scale, softcap,
+                                 d, d_ok, BLOCK_M, BLOCK_D, HEAD_DIM, KEY_BLOCK, SEGMENT, SOFTCAP, False, PRECISION)
         part = (req * num_heads + head).to(tl.int64) * num_segments + seg
         _store_partial(part_acc_ptr, part_ml_ptr, part, row_ok, m_i, l_i, acc, d, d_ok, BLOCK_D)
 

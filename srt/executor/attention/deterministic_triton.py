@@ -49,6 +49,9 @@ NUM_STAGES = 2
 SPLIT_BELOW_PROGRAMS = 256
 SPLIT_WORKSPACE_BYTES = 64 << 20
 CASCADE_WORKSPACE_BYTES = 256 << 20  # a cascade step's partial results, at most
+# The cascade kernel's programs per KV head: each takes every CASCADE_PROGRAMS-th (group tile,
+# shared segment) pair, so a graph's fixed grid covers any number of them.
+CASCADE_PROGRAMS = 64
 _LOG2E = 1.4426950408889634
 
 
@@ -56,9 +59,12 @@ class Tables(NamedTuple):
     """One forward's tables on the device (see the module docstring); num_tiles programs per KV
     head; with segments > 0 (decode only) the call runs split: room for that many partial results
     per (tile, query head) in part_acc and part_ml (split_partials), and split_programs segment
-    programs per tile (0: segments). A cascade step (cascade_if_worth_it) adds group tiles:
-    group_members (MEMBERS request indices per group tile, -1 for none), group_segments (the
-    segments they share, which tile_skip tells each member's split programs to skip)."""
+    programs per tile (0: segments; fewer than a tile's segments each take every
+    split_programs-th). A cascade step (cascade_if_worth_it) adds group tiles: group_members
+    (MEMBERS request indices per group tile, -1 for none), cascade_items (a (group tile, shared
+    segment) pair per segment they share, cascade_count of them, counted on the device so a
+    graph can replay any number), cascade_programs > 0, and tile_skip telling each member's
+    split programs how many leading segments the cascade kernel computed for it."""
 
     q_indptr: torch.Tensor
     kv_indptr: torch.Tensor
@@ -72,9 +78,9 @@ class Tables(NamedTuple):
     split_programs: int = 0
     tile_skip: torch.Tensor | None = None
     group_members: torch.Tensor | None = None
-    group_segments: torch.Tensor | None = None
-    num_group_tiles: int = 0
-    shared_segments: int = 0  # the cascade kernel's segment programs per group tile
+    cascade_items: torch.Tensor | None = None
+    cascade_count: torch.Tensor | None = None
+    cascade_programs: int = 0  # the cascade kernel's programs per KV head; 0: not a cascade step
 
 
 def split_segments(num_tiles: int, num_heads: int, num_kv_heads: int, head_dim: int, longest: int) -> int:
@@ -84,7 +90,7 @@ def split_segments(num_tiles: int, num_heads: int, num_kv_heads: int, head_dim: 
     segments = -(-longest // SEGMENT)
     if segments < 2 or num_tiles * num_kv_heads * _chunks(num_heads // num_kv_heads) >= SPLIT_BELOW_PROGRAMS:
         return 0
-    return segments if _partial_floats(num_tiles, num_heads, head_dim, segments) * 4 <= SPLIT_WORKSPACE_BYTES else 0
+    return segments if split_partials_floats(num_tiles, num_heads, head_dim, segments) * 4 <= SPLIT_WORKSPACE_BYTES else 0
 
 
 def split_if_worth_it(tables: Tables, num_heads: int, num_kv_heads: int, head_dim: int, longest: int) -> Tables:
@@ -139,19 +145,26 @@ def cascade_if_worth_it(tables: Tables, plan, seq_lens: list[int], num_heads: in
         return tables
     members, shared, skip, _ = plan
     total = -(-max(seq_lens) // SEGMENT)
-    if _partial_floats(tables.num_tiles, num_heads, head_dim, total) * 4 > CASCADE_WORKSPACE_BYTES:
+    if split_partials_floats(tables.num_tiles, num_heads, head_dim, total) * 4 > CASCADE_WORKSPACE_BYTES:
         return tables
     own = max(-(-n // SEGMENT) - s for n, s in zip(seq_lens, skip))
-    device = tables.slots.device
+    items = cascade_items(shared)
     as_int = lambda xs: torch.tensor(xs, dtype=torch.int32)  # noqa: E731
-    members_t, shared_t, skip_t = _upload([as_int(members), as_int(shared), as_int(skip)], device)
-    part_acc, part_ml = split_partials(tables.num_tiles, num_heads, head_dim, total, device)
+    members_t, items_t, count_t, skip_t = _upload(
+        [as_int(members), as_int(items), as_int([len(items) // 2]), as_int(skip)], tables.slots.device)
+    part_acc, part_ml = split_partials(tables.num_tiles, num_heads, head_dim, total, tables.slots.device)
     return tables._replace(segments=total, part_acc=part_acc, part_ml=part_ml, split_programs=own, tile_skip=skip_t,
-                           group_members=members_t, group_segments=shared_t, num_group_tiles=len(shared),
-                           shared_segments=max(shared))
+                           group_members=members_t, cascade_items=items_t, cascade_count=count_t,
+                           cascade_programs=min(len(items) // 2, CASCADE_PROGRAMS))
 
 
-def _partial_floats(num_tiles: int, num_heads: int, head_dim: int, segments: int) -> int:
+def cascade_items(shared: list[int]) -> list[int]:
+    """The (group tile, shared segment) pairs of group tiles sharing shared[t] segments each,
+    flattened."""
+    return [x for tile, count in enumerate(shared) for seg in range(count) for x in (tile, seg)]
+
+
+def split_partials_floats(num_tiles: int, num_heads: int, head_dim: int, segments: int) -> int:
     return num_tiles * num_heads * segments * (triton.next_power_of_2(head_dim) + 2)
 
 
@@ -230,10 +243,10 @@ def attend(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, tables: Ta
     part_acc, part_ml = (tables.part_acc, tables.part_ml) if segments else (out, out)  # unused when sequential
     block_d = triton.next_power_of_2(head_dim)
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
-    if tables.num_group_tiles:
-        kernels.cascade_kernel[(tables.num_group_tiles, num_kv_heads, tables.shared_segments)](
+    if tables.cascade_programs:
+        kernels.cascade_kernel[(tables.cascade_programs, num_kv_heads)](
             q, k_buf, v_buf, part_acc, part_ml, tables.q_indptr, tables.kv_indptr, tables.slots, tables.group_members,
-            tables.group_segments, q.stride(0), q.stride(1), k_buf.stride(0), v_buf.stride(0), qk_scale,
+            tables.cascade_items, tables.cascade_count, q.stride(0), q.stride(1), k_buf.stride(0), v_buf.stride(0), qk_scale,
             float(softcap or 1.0), num_heads, segments,
             GROUP=group, HEADS_PER_TILE=heads_per_tile, CHUNKS=chunks, HEAD_DIM=head_dim, BLOCK_D=block_d,
             BLOCK_M=BLOCK_M, KEY_BLOCK=KEY_BLOCK, SEGMENT=SEGMENT, SOFTCAP=softcap is not None, PRECISION=precision,
