@@ -18,11 +18,12 @@ depends on the batch):
   may not see inside a block it does see enter with weight exactly 0.
 - The keys fall into segments of SEGMENT positions, also aligned to position 0. Each segment
   starts a fresh online softmax, and a row's result merges its segments' (m, l, acc) in position
-  order (deterministic_kernels._merge). Sequentially, one program walks every segment and merges as it goes; split, a
-  decode step with few programs gives each of a request's segments its own program and a second
-  kernel merges their partial results in the same order with the same arithmetic (FMA
-  contraction off in both kernels, so each operation rounds alike). Either way a row's bits
-  depend only on its own keys: split mode is what makes a batch-1 decode step fill the GPU.
+  order (deterministic_kernels._merge). Sequentially, one program walks every segment and
+  merges as it goes; split, a decode step computes each of a request's segments on its own
+  (its own program, or every n-th in a graph's fixed grid) and a second kernel merges their
+  partial results in the same order with the same arithmetic (FMA contraction off in both
+  kernels, so each operation rounds alike). Either way a row's bits depend only on its own
+  keys: split mode is what makes a batch-1 decode step fill the GPU.
 
 Tables (int32, on the device): request r's new tokens are q rows q_indptr[r]:q_indptr[r + 1],
 its keys' slots slots[kv_indptr[r]:kv_indptr[r + 1]] in position order (its new tokens last);
