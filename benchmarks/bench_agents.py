@@ -10,6 +10,7 @@ prefix protected between its calls, docs/sessions.md). One line per run (wall ti
 programs/s, prompt tokens, recomputed prefill tokens = prompt - cached), then the ratio line
 (goal: throughput >= 1.5x on CPU). --pairs N runs each system N times, alternating which goes
 first, and takes the median of the pairs' ratios (a shared 2-core machine drifts).
+--server-args adds flags to both servers.
 
 --part runner: the same server, 256 short programs (three calls each) run by the thread-pool
 `run_batch` of a sync program (the baseline) and by `arun_batch` of the same program written
@@ -28,6 +29,7 @@ import asyncio
 import logging
 import random
 import resource
+import shlex
 import signal
 import statistics
 import sys
@@ -72,6 +74,7 @@ def session_run(args: argparse.Namespace, sessions: bool, pool_tokens: int) -> d
     server_args = ["--max-total-tokens", str(pool_tokens), "--max-running-requests", str(args.programs)]
     if args.session_total_tokens is not None:
         server_args += ["--session-total-tokens", str(args.session_total_tokens)]
+    server_args += shlex.split(args.server_args)
     srv = ServerProcess(*server_args)
     try:
         backend = sgl.RuntimeEndpoint(srv.base_url, sessions=sessions)
@@ -206,6 +209,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--tool-s", type=float, default=0.5)
     parser.add_argument("--pool-tokens", type=int, default=0, help="KV pool; 0: half the working set")
     parser.add_argument("--session-total-tokens", type=int, default=None, help="the server's bound (unset: its default)")
+    parser.add_argument("--server-args", default="", help="sessions: more flags for both servers")
     parser.add_argument("--machine", default=_machine)
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
