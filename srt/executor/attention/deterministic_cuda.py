@@ -196,12 +196,9 @@ class _GraphTables:
         torch.cumsum(torch.tensor(list(seq_lens) + [1] * num_pad, dtype=torch.int32), 0, out=offsets[1:])
         slots = [torch.from_numpy(table[row, :n]).to(torch.int32) for row, n in zip(rows, seq_lens)]
         slots.append(torch.full((num_pad,), PADDING_SLOT, dtype=torch.int32))
-        host = torch.cat([offsets] + slots)
-        if self.slots.is_cuda:
-            host = host.pin_memory()
-        both = host.to(self.slots.device, non_blocking=True)
-        self.kv_indptr[:bs + 1].copy_(both[:bs + 1])
-        self.slots[:host.numel() - bs - 1].copy_(both[bs + 1:])
+        offsets, slots = kernel.upload([offsets, torch.cat(slots)], self.slots.device)
+        self.kv_indptr[:bs + 1].copy_(offsets)
+        self.slots[:slots.numel()].copy_(slots)
         return kernel.Tables(self.q_indptr, self.kv_indptr, self.slots, self.tile_req, self.tile_tok, bs)
 
     def cascade(self, tables: kernel.Tables, plan, bs: int) -> kernel.Tables:
@@ -211,14 +208,12 @@ class _GraphTables:
         members, shared, skip, _ = plan if plan is not None else ([], [], [], 0)
         items = kernel.cascade_items(shared)
         as_int = lambda xs: torch.tensor(xs, dtype=torch.int32)  # noqa: E731
-        host = torch.cat([as_int([len(items) // 2]), as_int(list(skip) + [0] * (bs - len(skip))), as_int(members),
-                          as_int(items)])
-        if self.slots.is_cuda:
-            host = host.pin_memory()
-        both = host.to(self.slots.device, non_blocking=True)
-        self.item_count.copy_(both[:1])
-        self.tile_skip[:bs].copy_(both[1:bs + 1])
-        self.group_members[:len(members)].copy_(both[bs + 1:bs + 1 + len(members)])
-        self.items[:len(items)].copy_(both[bs + 1 + len(members):])
+        count, skips, members, items = kernel.upload(
+            [as_int([len(items) // 2]), as_int(list(skip) + [0] * (bs - len(skip))), as_int(members), as_int(items)],
+            self.slots.device)
+        self.item_count.copy_(count)
+        self.tile_skip[:bs].copy_(skips)
+        self.group_members[:len(members)].copy_(members)
+        self.items[:len(items)].copy_(items)
         return tables._replace(tile_skip=self.tile_skip, group_members=self.group_members, cascade_items=self.items,
                                cascade_count=self.item_count)

@@ -151,7 +151,7 @@ def cascade_if_worth_it(tables: Tables, plan, seq_lens: list[int], num_heads: in
     own = max(-(-n // SEGMENT) - s for n, s in zip(seq_lens, skip))
     items = cascade_items(shared)
     as_int = lambda xs: torch.tensor(xs, dtype=torch.int32)  # noqa: E731
-    members_t, items_t, count_t, skip_t = _upload(
+    members_t, items_t, count_t, skip_t = upload(
         [as_int(members), as_int(items), as_int([len(items) // 2]), as_int(skip)], tables.slots.device)
     part_acc, part_ml = split_partials(tables.num_tiles, num_heads, head_dim, total, tables.slots.device)
     return tables._replace(segments=total, part_acc=part_acc, part_ml=part_ml, split_programs=own, tile_skip=skip_t,
@@ -205,10 +205,10 @@ def host_tables(req_to_token: torch.Tensor, rows: list[int], seq_lens: list[int]
 
 def load_tables(host: list[torch.Tensor], device: torch.device) -> Tables:
     """host_tables' tensors on `device`, as Tables."""
-    return Tables(*_upload(host, device), num_tiles=host[3].numel())
+    return Tables(*upload(host, device), num_tiles=host[3].numel())
 
 
-def _upload(host: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+def upload(host: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
     """Host int32 tensors on `device` in one copy (from pinned memory on CUDA, so it queues
     behind the running step instead of waiting for it)."""
     both = torch.cat(host)
