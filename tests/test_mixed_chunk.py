@@ -43,3 +43,23 @@ def test_streams_advance_during_a_long_prefill(mixed_engine, engine):
         alone = engine.generate(input_ids=req.origin_input_ids, sampling_params=req.sampling_params.to_dict())
         assert alone["output_ids"] == req.output_ids
     assert sched.kv_stats()["leaked"] == 0
+
+
+def test_overlap_stays_on_between_prefills(mixed_engine, engine):
+    """On CUDA overlap is on: with mixed chunks a step is committed before planning only when a
+    prefill (with riders) comes next, so decode-only runs still overlap. Forced on here."""
+    sched = mixed_engine.scheduler
+    tok = mixed_engine.tokenizer
+    prompts = [tok.encode(f"Story {i}: once upon a time") for i in range(3)]
+    prompts.append(tok.encode("The history of the city, told in detail. " * 30))  # chunked, riders join
+    params = [{"temperature": 0, "max_new_tokens": 30, "ignore_eos": True}] * 3 + [{"temperature": 0, "max_new_tokens": 8}]
+    before = sched.steps_overlapped
+    sched.overlap = True
+    try:
+        outs = mixed_engine.generate(input_ids=prompts, sampling_params=params)
+    finally:
+        sched.overlap = False
+    assert sched.steps_overlapped - before > 10  # the decode steps after the prefills
+    for ids, p, out in zip(prompts, params, outs):
+        assert out["output_ids"] == engine.generate(input_ids=ids, sampling_params=p)["output_ids"]
+    assert sched.kv_stats()["leaked"] == 0

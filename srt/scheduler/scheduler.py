@@ -204,7 +204,7 @@ class Scheduler:
             self._stepped.extend(failed)
             for req in ready:
                 self.prefill.add(req)
-        if self.pending is not None and self.decode.reads_newest_tokens():
+        if self.pending is not None and (self.decode.reads_newest_tokens() or self._riders_may_join()):
             self._commit(self._take_pending())  # the next plan needs those tokens on the host
         plan = self._plan()
         launched = self._launch(plan) if plan is not None else None
@@ -232,9 +232,13 @@ class Scheduler:
         return StepPlan(parts + riders, decode=False, needs_host_tokens=needs_host)
 
     def _lockstep(self, plan: StepPlan) -> bool:
-        """Whether the step after `plan` reads its tokens on the host. With mixed chunks every
-        step may carry riders, which feed their newest tokens from the host."""
-        return not self.overlap or plan.needs_host_tokens or self.args.scheduler.enable_mixed_chunk
+        """Whether the step after `plan` reads its tokens on the host."""
+        return not self.overlap or plan.needs_host_tokens
+
+    def _riders_may_join(self) -> bool:
+        """Whether the next step may be a prefill with running requests riding along (mixed
+        chunk): riders feed their newest tokens from the host. Decode-only runs still overlap."""
+        return self.args.scheduler.enable_mixed_chunk and self.prefill.has_work
 
     def _launch(self, plan: StepPlan) -> PendingStep:
         self.in_flight = plan.reqs
