@@ -13,7 +13,7 @@ from typing import Any
 import zmq
 
 from .children import ChildProcesses, wait_ready
-from .process_utils import bind_port, show_progress_bars_in_log, stage
+from .process_utils import bind_port, exit_now, show_progress_bars_in_log, stage
 from .server_args import ServerArgs
 from .server_flags import parse_flags
 
@@ -187,8 +187,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.parallel.dp_size > 1:  # replicas behind the cache-aware router
         from .router.dp_launcher import launch_dp
 
-        sys.exit(launch_dp(args))
-    sys.exit(launch_server(args))
+        exit_now(launch_dp(args))
+    exit_now(launch_server(args))
 
 
 _USAGE = """usage: radixlm serve [--model-path PATH] [--port N] [...]

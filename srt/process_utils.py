@@ -3,6 +3,7 @@ that never outlive the server."""
 
 from __future__ import annotations
 
+import logging
 import multiprocessing
 import os
 import shutil
@@ -30,6 +31,20 @@ def exit_when_parent_dies(poll_s: float = 1.0, ipc_addr: str | None = None) -> N
                 os._exit(1)
 
     threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+
+
+def exit_now(code: int) -> None:
+    """Ends the process once its own cleanup is done (children stopped, files closed, sockets
+    gone), skipping the interpreter's teardown: freeing the objects of torch and transformers
+    module by module took 1.1-1.3 s of CPU after a server had stopped, on every exit. The logs
+    and the standard streams are flushed first."""
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # closed or gone (a parent that went away)
+            pass
+    os._exit(code)
 
 
 def stage(message: str) -> None:

@@ -9,6 +9,7 @@ from typing import Any
 
 import zmq
 
+from ..process_utils import exit_now
 from ..server_args import DEVICE_DEPENDENT_FIELDS, ServerArgs
 from .child import ChildStart
 
@@ -41,8 +42,11 @@ def run_scheduler_process(server_args: dict[str, Any], recv_addr: str, send_addr
     device_defaults = {name: getattr(scheduler.args.scheduler, name) for name in DEVICE_DEPENDENT_FIELDS}
     start.ready({"max_total_tokens": scheduler.allocator.capacity, "context_len": scheduler.context_len,
                  "device_defaults": device_defaults})
+    stopped = 0
     try:
         SchedulerLoop(scheduler, recv, send, fatal_step_errors=sender is not None).run_forever()
+    except SystemExit as stop:  # SIGTERM: the cleanup below, then out without the teardown
+        stopped = stop.code or 0
     finally:
         scheduler.close()  # the disk tier's queued writes land
         if sender is not None:
@@ -53,3 +57,4 @@ def run_scheduler_process(server_args: dict[str, Any], recv_addr: str, send_addr
         recv.close()
         send.close()
         ctx.term()
+    exit_now(stopped)
