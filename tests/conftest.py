@@ -65,6 +65,24 @@ def hf_model(default_model):
     return model.eval()
 
 
+# A chat template that opens the think block at the generation prompt, as Qwen3's does.
+THINKING_TEMPLATE = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
+    "'<|im_end|>\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n<think>\\n' }}"
+    "{% endif %}")
+
+
+@pytest.fixture(scope="session")
+def thinking_server(tmp_path_factory):
+    """A real server with THINKING_TEMPLATE and --reasoning-parser qwen3, shared by the tests of
+    reasoning output (one start instead of one per file)."""
+    template = tmp_path_factory.mktemp("template") / "thinking.jinja"
+    template.write_text(THINKING_TEMPLATE)
+    srv = ServerProcess("--max-total-tokens", "8192", "--reasoning-parser", "qwen3", "--chat-template", str(template))
+    yield srv
+    srv.stop()
+
+
 @pytest.fixture(scope="session")
 def server():
     """A real `radixlm serve` on the default model (no API key), shared by the integration tests."""

@@ -10,12 +10,6 @@ import json
 import openai
 import pytest
 
-from benchmarks.harness import ServerProcess
-
-THINKING_TEMPLATE = (
-    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
-    "'<|im_end|>\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n<think>\\n' }}"
-    "{% endif %}")
 SHOTS = [m for q in ("What is 2+2?", "What is the capital of Italy?", "Name a color.")
          for m in ({"role": "user", "content": q}, {"role": "assistant", "content": "<think>\nEasy.</think>\n\nDone."})]
 MESSAGES = SHOTS + [{"role": "user", "content": "What is the weather in Paris?"}]
@@ -25,12 +19,9 @@ ASK = dict(model="default", messages=MESSAGES, tools=TOOLS, tool_choice="require
 
 
 @pytest.fixture(scope="module")
-def client(tmp_path_factory):
-    template = tmp_path_factory.mktemp("template") / "thinking.jinja"
-    template.write_text(THINKING_TEMPLATE)
-    srv = ServerProcess("--max-total-tokens", "8192", "--reasoning-parser", "qwen3", "--chat-template", str(template))
-    yield openai.OpenAI(base_url=f"{srv.base_url}/v1", api_key="unused", max_retries=0, timeout=300)
-    srv.stop()
+def client(thinking_server):
+    """The shared server whose template opens the think block (conftest.THINKING_TEMPLATE)."""
+    return openai.OpenAI(base_url=f"{thinking_server.base_url}/v1", api_key="unused", max_retries=0, timeout=300)
 
 
 def _call(tool_call) -> tuple[str, dict]:

@@ -202,43 +202,30 @@ def test_openai_agents_sdk_runs_a_function_tool(server, model):
 
 # ---- reasoning ---------------------------------------------------------------------------------------
 
-THINKING_TEMPLATE = (
-    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
-    "'<|im_end|>\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n<think>\\n' }}"
-    "{% endif %}")
-
-
-def test_reasoning_parser_with_a_template_that_opens_the_think_block(tmp_path):
+def test_reasoning_parser_with_a_template_that_opens_the_think_block(thinking_server):
     """The prompt ends inside <think>: what the model writes up to </think> is reasoning_content,
     the rest content, whole and streamed, as the parser splits the raw output."""
-    from benchmarks.harness import ServerProcess
-
     from radixlm.srt.server.tool_calls.reasoning import split_reasoning
 
-    template = tmp_path / "thinking.jinja"
-    template.write_text(THINKING_TEMPLATE)
-    srv = ServerProcess("--max-total-tokens", "8192", "--reasoning-parser", "qwen3", "--chat-template", str(template))
-    try:
-        client = openai.OpenAI(base_url=f"{srv.base_url}/v1", api_key="unused", max_retries=0)
-        model = client.models.list().data[0].id
-        messages = [{"role": "user", "content": "Is 17 a prime number? Think, then answer."}]
-        resp = client.chat.completions.create(model=model, messages=messages, temperature=0, max_tokens=40)
-        message = resp.choices[0].message
-        prompt = "".join(
-            f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages) + "<|im_start|>assistant\n<think>\n"
-        with srv.client() as http:
-            raw = http.post("/generate", json={"text": prompt, "sampling_params": {
-                "temperature": 0, "max_new_tokens": 40}}).json()["text"]
-        expected = split_reasoning("qwen3", raw, opened=True)
-        assert raw and "<think>" not in (message.content or "")
-        assert (message.model_extra["reasoning_content"], message.content) == (expected.reasoning, expected.content)
-        stream = client.chat.completions.create(model=model, messages=messages, temperature=0, max_tokens=40,
-                                                stream=True)
-        reasoning, content = "", ""
-        for chunk in stream:
-            delta = chunk.choices[0].delta
-            reasoning += (delta.model_extra or {}).get("reasoning_content") or ""
-            content += delta.content or ""
-        assert (reasoning.strip() or None, content.strip() or None) == (expected.reasoning, expected.content)
-    finally:
-        srv.stop()
+    srv = thinking_server
+    client = openai.OpenAI(base_url=f"{srv.base_url}/v1", api_key="unused", max_retries=0)
+    model = client.models.list().data[0].id
+    messages = [{"role": "user", "content": "Is 17 a prime number? Think, then answer."}]
+    resp = client.chat.completions.create(model=model, messages=messages, temperature=0, max_tokens=40)
+    message = resp.choices[0].message
+    prompt = "".join(
+        f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages) + "<|im_start|>assistant\n<think>\n"
+    with srv.client() as http:
+        raw = http.post("/generate", json={"text": prompt, "sampling_params": {
+            "temperature": 0, "max_new_tokens": 40}}).json()["text"]
+    expected = split_reasoning("qwen3", raw, opened=True)
+    assert raw and "<think>" not in (message.content or "")
+    assert (message.model_extra["reasoning_content"], message.content) == (expected.reasoning, expected.content)
+    stream = client.chat.completions.create(model=model, messages=messages, temperature=0, max_tokens=40,
+                                            stream=True)
+    reasoning, content = "", ""
+    for chunk in stream:
+        delta = chunk.choices[0].delta
+        reasoning += (delta.model_extra or {}).get("reasoning_content") or ""
+        content += delta.content or ""
+    assert (reasoning.strip() or None, content.strip() or None) == (expected.reasoning, expected.content)
