@@ -27,6 +27,8 @@ PADDING_SLOT = 0  # cuda_graph_runner.PADDING_SLOT: padding rows' one key
 # saved per layer, replayed from a bucket's cascade graph or eagerly.
 CASCADE_MIN_SAVED_BYTES = 32 << 20
 CASCADE_GRAPH_VARIANT = "cascade"
+# The decode graphs' table of key slots (int32), at most this large unless twice the pool is larger.
+GRAPH_SLOT_TABLE_BYTES = 64 << 20
 
 
 class TritonDeterministicBackend(AttentionBackend):
@@ -93,9 +95,11 @@ class TritonDeterministicBackend(AttentionBackend):
         return self._plan_of[1]
 
     def init_cuda_graph_state(self, max_bs: int, max_pages_per_req: int) -> None:
-        # Room for every request at full context, or for twice the pool (more only where the
-        # radix cache shares slots between requests; graph_can_replay runs those eagerly).
-        capacity = min(max_bs * self.req_to_token.shape[1], 2 * self.kv_pool.k_buffers[0].shape[1])
+        # Room for every request at full context, up to GRAPH_SLOT_TABLE_BYTES (or twice the
+        # pool, when more): requests sharing a cached prefix list its slots once each, so a step
+        # can hold many times the pool's keys. graph_can_replay runs a larger step eagerly.
+        capacity = min(max_bs * self.req_to_token.shape[1],
+                       max(2 * self.kv_pool.k_buffers[0].shape[1], GRAPH_SLOT_TABLE_BYTES // 4))
         context_segments = -(-self.req_to_token.shape[1] // kernel.SEGMENT)
         members = kernel.tokens_per_tile(self.group)
         self._graph = _GraphTables(max_bs, capacity, members, max_bs * context_segments, self.device)
