@@ -168,6 +168,8 @@ class ExecutorSettings(Section):
     disable_fused_fp8_quantization: bool = setting(False, "fp8: the GEMMs' input quantized by its own kernel, not "
                                                           "by the norm or SiLU-and-mul before it")
     disable_fused_rotary_store: bool = setting(False, "flashinfer: the rotation and the KV store as two kernels")
+    disable_onednn_linear: bool = setting(False, "CPU: float32 projections through F.linear (MKL), not oneDNN over "
+                                                 "weights packed at load")
     enable_deterministic_inference: bool = setting(False, "a request's tokens and logprobs do not depend on its "
                                                           "batch, prefill chunks or cached prefix; sampling seeded "
                                                           "per request (docs/deterministic.md)")

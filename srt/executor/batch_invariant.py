@@ -2,9 +2,9 @@
 (--enable-deterministic-inference).
 
 A GEMM sums each output over K in an order the library picks from the matrix shapes. On CPU,
-oneDNN's linear over a weight packed once (torch.ops.mkldnn._linear_pointwise) gives a row the
-same bits at every row count but 1, so each projection keeps a oneDNN-packed copy of its weight
-and a single row is padded to 2. MKL's sgemm (F.linear) varies below 4 rows per thread, so the
+oneDNN's linear over a weight packed once gives a row the same bits at every row count but 1,
+so every projection and the LM head run through cpu_linear.PackedLinear (whatever the dtype)
+with a single row padded to 2. MKL's sgemm (F.linear) varies below 4 rows per thread, so the
 attention's batched products, which run through it, pad to 4 (pad_rows). The measurements, and
 the MKL-only variant that made decode slower, are in docs/deterministic.md.
 On CUDA the projections run in our own Triton GEMM, which never splits K, or in cuBLAS at the
@@ -16,11 +16,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .cpu_linear import pack_projections
 from .models.layers import is_plain_linear
 from .models.moe import SparseMoE
 
 ROW_MULTIPLE = 4  # MKL's products: rows padded to a multiple of this (attention/deterministic.py)
-MIN_ROWS = 2  # oneDNN's packed linear: a single row padded to this
+MIN_ROWS = 2  # oneDNN's packed linear (cpu_linear.py): a single row padded to this
 
 
 def pad_rows(x: torch.Tensor, dim: int = 0, multiple: int = ROW_MULTIPLE) -> torch.Tensor:
@@ -31,22 +32,6 @@ def pad_rows(x: torch.Tensor, dim: int = 0, multiple: int = ROW_MULTIPLE) -> tor
     shape = list(x.shape)
     shape[dim] = pad
     return torch.cat([x, x.new_zeros(shape)], dim=dim)
-
-
-class PackedLinear:
-    """x @ weight^T (+ bias) through oneDNN, the weight packed once; every row the same bits
-    whatever the number of rows ([rows, in] -> [rows, out])."""
-
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 1)
-        self.bias = None if bias is None else bias.detach()
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.shape[0]
-        if rows < MIN_ROWS:
-            x = pad_rows(x, multiple=MIN_ROWS)
-        out = torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, self.bias, "none", [], "")
-        return out if rows >= MIN_ROWS else out[:rows]
 
 
 def check_deterministic_settings(args) -> None:
@@ -77,18 +62,13 @@ class CudaLinear:
         return out.view(*lead, self.weight.shape[0])
 
 
-def invariant_product(weight: torch.Tensor, bias: torch.Tensor | None = None):
-    """The batch-invariant x @ weight^T (+ bias) for the weight's device."""
-    return PackedLinear(weight, bias) if weight.device.type == "cpu" else CudaLinear(weight, bias)
-
-
 class InvariantLinear(nn.Module):
-    """A loaded projection (its weight and bias, shared) computed batch-invariantly."""
+    """A loaded projection on CUDA (its weight and bias, shared) computed batch-invariantly."""
 
     def __init__(self, linear: nn.Linear):
         super().__init__()
         self.weight, self.bias = linear.weight, linear.bias
-        self.product = invariant_product(linear.weight, linear.bias)
+        self.product = CudaLinear(linear.weight, linear.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.product(x)
@@ -110,12 +90,14 @@ def make_batch_invariant(model: nn.Module, device: torch.device) -> int:
             raise ValueError(f"{name}: mixture-of-experts layers ({module_name}) are not batch-invariant yet")
         if isinstance(module, nn.Linear) and not is_plain_linear(module):
             raise ValueError(f"{name}: {module_name} ({type(module).__name__}) has no batch-invariant version")
+    if device.type == "cpu":
+        return pack_projections(model, min_rows=MIN_ROWS, dtypes=None)
     replaced = 0
     for parent in list(model.modules()):
         for child_name, child in list(parent.named_children()):
             if is_plain_linear(child):
                 setattr(parent, child_name, InvariantLinear(child))
                 replaced += 1
-    head = invariant_product(model.lm_head_weight)
+    head = CudaLinear(model.lm_head_weight)
     model.head_linear = lambda x, weight: head(x)  # `weight` is the one `head` holds
     return replaced

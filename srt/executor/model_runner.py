@@ -17,6 +17,7 @@ from .attention.layer_spec import check_backend_supports, layer_specs
 from .forward_batch import ForwardBatch
 from .image_embeds import ImageEmbedder
 from .kernel_options import KernelOptions
+from .cpu_linear import onednn_available, pack_projections
 from .mem_pool import KVPool, kv_cache_torch_dtype
 from .models.ops import select_ops
 from .models.registry import model_class
@@ -73,6 +74,8 @@ class ModelRunner:
             check_deterministic_settings(args)
 
             make_batch_invariant(self.model, self.device)
+        elif self.device.type == "cpu" and self.kernels.onednn_linear and onednn_available():
+            pack_projections(self.model)
         self.lora = None  # --enable-lora: the adapters' device slots in the projections
         if args.lora.enable_lora:
             from ..lora.layers import LoRASlots, check_lora_supported, triton_max_tokens
