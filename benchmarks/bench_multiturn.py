@@ -38,12 +38,14 @@ import argparse
 import asyncio
 import json
 import logging
+import os
 import random
 import shlex
 import signal
 import sys
 import time
 from dataclasses import dataclass, field
+from datetime import date
 from typing import Any
 
 import httpx
@@ -495,7 +497,9 @@ def main(argv: list[str]) -> int:
     logging.getLogger("httpx").setLevel(logging.WARNING)
     args = parse_args(argv)
     signal.signal(signal.SIGTERM, raise_on_sigterm)  # servers are stopped on the way out
-    rep = Reporter(args.out, command=command_line(), device=device_name)
+    rep = Reporter(args.out, command=command_line(), device=device_name,
+                   framing=lambda: {"date": date.today().isoformat(),
+                                    "machine": f"{device_name()}, {os.cpu_count()} CPU cores"})
     {"server": server_mode, "engine": engine_mode, "restart": restart_mode}[args.mode](args, rep)
     return 0
 

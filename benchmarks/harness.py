@@ -88,11 +88,14 @@ class Reporter:
     """Prints each result as one JSON line and appends it to `out` when set. `device` (called at
     each line, so a GPU is only touched once the benchmark has) and `command` frame every line."""
 
-    def __init__(self, out: str | None, command: str | None = None, device: Callable[[], str] | None = None):
-        self.out, self.command, self.device = out, command, device
+    def __init__(self, out: str | None, command: str | None = None, device: Callable[[], str] | None = None,
+                 framing: Callable[[], dict[str, Any]] | None = None):
+        """framing: keys (date, machine) every line gets unless it has them itself."""
+        self.out, self.command, self.device, self.framing = out, command, device, framing
 
     def emit(self, line: dict[str, Any]) -> None:
         framed = {**({"device": self.device()} if self.device else {}), **line,
+                  **{k: v for k, v in (self.framing() if self.framing else {}).items() if k not in line},
                   **({"command": self.command} if self.command else {})}
         text = json.dumps(framed)
         print(text, flush=True)

@@ -93,9 +93,10 @@ def test_a_row_has_the_same_bits_in_cascade_decode_steps():
     assert result == "ok 6", result
 
 
-def test_backend_plans_graph_tables_with_padding_and_falls_back_when_they_are_full():
+def test_backend_plans_graph_tables_with_padding_and_falls_back_when_they_are_full(monkeypatch):
     from deterministic_attention_checks import Setup, decode_batch
 
+    from radixlm.srt.executor.attention import deterministic_cuda
     from radixlm.srt.executor.attention.deterministic_cuda import TritonDeterministicBackend
     from radixlm.srt.executor.mem_pool import KVPool
 
@@ -104,7 +105,12 @@ def test_backend_plans_graph_tables_with_padding_and_falls_back_when_they_are_fu
     backend = TritonDeterministicBackend(pool, setup.table, 0.25, 8)
     assert backend.supports_cuda_graph
     backend.init_cuda_graph_state(4, 16)
-    assert backend._graph.slots.numel() == 80  # twice the pool: less than 4 requests x 64 tokens
+    # Room for 4 requests at full context (64 tokens), though that is more than twice the pool:
+    # requests on one cached prefix list its slots once each.
+    assert backend._graph.slots.numel() == 4 * 64
+    monkeypatch.setattr(deterministic_cuda, "GRAPH_SLOT_TABLE_BYTES", 4 * 50)
+    backend.init_cuda_graph_state(4, 16)
+    assert backend._graph.slots.numel() == 80  # twice the pool, above the (patched) byte cap
     loc = torch.zeros(4, dtype=torch.int64)
     handle = backend.capture_cuda_graph_plan("decode", 4, loc)
     assert backend._tables.kv_indptr[:5].tolist() == [0, 1, 2, 3, 4]  # all padding: one key each
