@@ -17,13 +17,12 @@ from __future__ import annotations
 
 import argparse
 import random
-import time
 from datetime import date
 from typing import Any, Callable
 
 import torch
 
-from .harness import Reporter, command_line, ratio
+from .harness import Reporter, command_line, ratio, timed
 
 WORDS = "alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima".split()
 
@@ -32,38 +31,34 @@ def greedy(n: int) -> dict[str, Any]:
     return {"temperature": 0, "max_new_tokens": n, "ignore_eos": True}
 
 
-def workloads(engine) -> dict[str, tuple[Callable[[], Any], Callable[[float], float], str]]:
-    """name -> (run, seconds -> figure, unit)."""
+def workloads(engine) -> dict[str, tuple[Callable[[], tuple[float, Any]], Callable[[float], float], str]]:
+    """name -> (run returning (seconds, outputs), seconds -> figure, unit)."""
     tok = engine.tokenizer
     contexts = [tok.encode(f"Task {i}: " + " ".join(random.Random(i).choice(WORDS) for _ in range(350)),
                            add_special_tokens=False) for i in range(16)]
     short = tok.encode("The capital of France is", add_special_tokens=False)
 
-    def decode16() -> Any:
-        engine.generate(input_ids=contexts, sampling_params=greedy(1))  # prompts cached, one step
-        start = time.perf_counter()
-        out = engine.generate(input_ids=contexts, sampling_params=greedy(33))
-        decode16.seconds = time.perf_counter() - start
-        return out
-
-    def prefill() -> Any:
+    def batch1() -> tuple[float, Any]:
         engine.flush_cache()
-        return engine.generate(input_ids=contexts[:4], sampling_params=greedy(1))
+        out, seconds = timed(engine.generate, input_ids=short, sampling_params=greedy(64))
+        return seconds, out
+
+    def decode16() -> tuple[float, Any]:
+        engine.generate(input_ids=contexts, sampling_params=greedy(1))  # prompts cached, one step
+        out, seconds = timed(engine.generate, input_ids=contexts, sampling_params=greedy(33))
+        return seconds, out
+
+    def prefill() -> tuple[float, Any]:
+        engine.flush_cache()
+        out, seconds = timed(engine.generate, input_ids=contexts[:4], sampling_params=greedy(1))
+        return seconds, out
 
     prefill_tokens = sum(len(c) for c in contexts[:4])
     return {
-        "batch1_decode": (lambda: (engine.flush_cache(), engine.generate(input_ids=short, sampling_params=greedy(64)))[1],
-                          lambda s: s / 64 * 1000, "ms_per_token"),
+        "batch1_decode": (batch1, lambda s: s / 64 * 1000, "ms_per_token"),
         "batch16_decode": (decode16, lambda s: s / 32 * 1000, "ms_per_step"),
         "prefill": (prefill, lambda s: prefill_tokens / s, "tokens_per_s"),
     }
-
-
-def timed(run: Callable[[], Any]) -> tuple[float, Any]:
-    start = time.perf_counter()
-    out = run()
-    seconds = getattr(run, "seconds", None)  # a run that times only its own part
-    return (seconds if seconds is not None else time.perf_counter() - start), out
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -87,7 +82,7 @@ def main(argv: list[str] | None = None) -> None:
                 run = runs[name][workload][0]
                 if repeat == 0:
                     run()  # warm-up
-                seconds, out = timed(run)
+                seconds, out = run()
                 best[name, workload] = min(best.get((name, workload), seconds), seconds)
                 outputs[name, workload] = out
     for engine in systems.values():

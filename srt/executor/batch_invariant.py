@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .cpu_linear import pack_projections
+from .cpu_linear import onednn_available, pack_projections
 from .models.layers import is_plain_linear
 from .models.moe import SparseMoE
 
@@ -81,7 +81,7 @@ def make_batch_invariant(model: nn.Module, device: torch.device) -> int:
     name = "enable_deterministic_inference"
     if device.type not in ("cpu", "cuda"):
         raise ValueError(f"{name}: not implemented on {device.type} (CPU and CUDA are)")
-    if device.type == "cpu" and not torch.backends.mkldnn.is_available():
+    if device.type == "cpu" and not onednn_available():
         raise ValueError(f"{name}: needs a torch build with oneDNN (mkldnn) on CPU")
     if any(p.element_size() == 1 for p in model.parameters()):
         raise ValueError(f"{name}: FP8 weights are not batch-invariant yet")
