@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from ..forward_batch import ForwardBatch
@@ -196,13 +197,15 @@ class _GraphTables:
     def plan(self, req_to_token: torch.Tensor, rows: list[int], seq_lens: list[int], bs: int) -> kernel.Tables:
         num_pad = bs - len(rows)
         table = req_to_token.numpy()
-        offsets = torch.zeros(bs + 1, dtype=torch.int32)
-        torch.cumsum(torch.tensor(list(seq_lens) + [1] * num_pad, dtype=torch.int32), 0, out=offsets[1:])
-        slots = [torch.from_numpy(table[row, :n]).to(torch.int32) for row, n in zip(rows, seq_lens)]
-        slots.append(torch.full((num_pad,), PADDING_SLOT, dtype=torch.int32))
-        offsets, slots = kernel.upload([offsets, torch.cat(slots)], self.slots.device)
-        self.kv_indptr[:bs + 1].copy_(offsets)
-        self.slots[:slots.numel()].copy_(slots)
+        offsets = np.zeros(bs + 1, dtype=np.int64)
+        np.cumsum(np.asarray(list(seq_lens) + [1] * num_pad, dtype=np.int64), out=offsets[1:])
+        # Straight into the pinned buffer and on to the fixed tables: this runs every decode step.
+        ring = kernel.staging_ring(self.slots.device)
+        host = ring.stage([offsets] + [table[row, :n] for row, n in zip(rows, seq_lens)]
+                          + [np.full(num_pad, PADDING_SLOT, dtype=np.int64)])
+        self.kv_indptr[:bs + 1].copy_(host[:bs + 1], non_blocking=True)
+        self.slots[:host.numel() - bs - 1].copy_(host[bs + 1:], non_blocking=True)
+        ring.sent()
         return kernel.Tables(self.q_indptr, self.kv_indptr, self.slots, self.tile_req, self.tile_tok, bs)
 
     def cascade(self, tables: kernel.Tables, plan, bs: int) -> kernel.Tables:
@@ -211,10 +214,9 @@ class _GraphTables:
         nothing."""
         members, shared, skip, _ = plan if plan is not None else ([], [], [], 0)
         items = kernel.cascade_items(shared)
-        as_int = lambda xs: torch.tensor(xs, dtype=torch.int32)  # noqa: E731
         count, skips, members, items = kernel.upload(
-            [as_int([len(items) // 2]), as_int(list(skip) + [0] * (bs - len(skip))), as_int(members), as_int(items)],
-            self.slots.device)
+            [np.asarray(xs, dtype=np.int64) for xs in ([len(items) // 2], list(skip) + [0] * (bs - len(skip)),
+                                                       members, items)], self.slots.device)
         self.item_count.copy_(count)
         self.tile_skip[:bs].copy_(skips)
         self.group_members[:len(members)].copy_(members)

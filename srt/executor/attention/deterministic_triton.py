@@ -34,12 +34,14 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+import numpy as np
 import torch
 import triton
 
 from .cascade_groups import find_groups
 from . import deterministic_kernels as kernels
 from .layer_spec import LayerAttention
+from ..pinned_ring import PinnedRing
 
 BLOCK_M = 64  # query rows per program: tokens x group heads
 KEY_BLOCK = 64
@@ -150,9 +152,8 @@ def cascade_if_worth_it(tables: Tables, plan, seq_lens: list[int], num_heads: in
         return tables
     own = max(-(-n // SEGMENT) - s for n, s in zip(seq_lens, skip))
     items = cascade_items(shared)
-    as_int = lambda xs: torch.tensor(xs, dtype=torch.int32)  # noqa: E731
     members_t, items_t, count_t, skip_t = upload(
-        [as_int(members), as_int(items), as_int([len(items) // 2]), as_int(skip)], tables.slots.device)
+        [np.asarray(xs, dtype=np.int64) for xs in (members, items, [len(items) // 2], skip)], tables.slots.device)
     part_acc, part_ml = split_partials(tables.num_tiles, num_heads, head_dim, total, tables.slots.device)
     return tables._replace(segments=total, part_acc=part_acc, part_ml=part_ml, split_programs=own, tile_skip=skip_t,
                            group_members=members_t, cascade_items=items_t, cascade_count=count_t,
@@ -183,38 +184,45 @@ def num_warps(head_dim: int) -> int:
 
 
 def host_tables(req_to_token: torch.Tensor, rows: list[int], seq_lens: list[int], extend_lens: list[int],
-                group: int) -> list[torch.Tensor]:
-    """(q_indptr, kv_indptr, slots, tile_req, tile_tok) as host int32 tensors for requests at
-    table rows `rows`; each request's tiles cover its new tokens in order."""
+                group: int) -> list[np.ndarray]:
+    """(q_indptr, kv_indptr, slots, tile_req, tile_tok) as host arrays for requests at table rows
+    `rows`; each request's tiles cover its new tokens in order (upload makes them int32)."""
     per_tile = tokens_per_tile(group)
     table = req_to_token.numpy()
-    q_indptr = [0]
-    kv_indptr = [0]
-    tile_req, tile_tok = [], []
-    for i, (n, new) in enumerate(zip(seq_lens, extend_lens)):
-        q_indptr.append(q_indptr[-1] + new)
-        kv_indptr.append(kv_indptr[-1] + n)
-        for t in range(0, new, per_tile):
-            tile_req.append(i)
-            tile_tok.append(t)
-    slots = [torch.from_numpy(table[row, :n]) for row, n in zip(rows, seq_lens)]
-    as_int = lambda xs: torch.tensor(xs, dtype=torch.int32)  # noqa: E731
-    flat = torch.cat(slots).to(torch.int32) if slots else torch.zeros(0, dtype=torch.int32)
-    return [as_int(q_indptr), as_int(kv_indptr), flat, as_int(tile_req), as_int(tile_tok)]
+    new = np.asarray(extend_lens, dtype=np.int64)
+    q_indptr = np.zeros(len(new) + 1, dtype=np.int64)
+    np.cumsum(new, out=q_indptr[1:])
+    kv_indptr = np.zeros(len(new) + 1, dtype=np.int64)
+    np.cumsum(np.asarray(seq_lens, dtype=np.int64), out=kv_indptr[1:])
+    tiles = -(-new // per_tile)
+    tile_req = np.repeat(np.arange(len(new)), tiles)
+    first_tile = np.cumsum(tiles) - tiles  # each request's first tile's index
+    tile_tok = (np.arange(int(tiles.sum())) - np.repeat(first_tile, tiles)) * per_tile
+    slots = [table[row, :n] for row, n in zip(rows, seq_lens)]
+    flat = np.concatenate(slots) if slots else np.zeros(0, dtype=np.int64)
+    return [q_indptr, kv_indptr, flat, tile_req, tile_tok]
 
 
-def load_tables(host: list[torch.Tensor], device: torch.device) -> Tables:
-    """host_tables' tensors on `device`, as Tables."""
-    return Tables(*upload(host, device), num_tiles=host[3].numel())
+def load_tables(host: list[np.ndarray], device: torch.device) -> Tables:
+    """host_tables' arrays on `device`, as Tables."""
+    return Tables(*upload(host, device), num_tiles=int(host[3].size))
 
 
-def upload(host: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
-    """Host int32 tensors on `device` in one copy (from pinned memory on CUDA, so it queues
-    behind the running step instead of waiting for it)."""
-    both = torch.cat(host)
-    if device.type == "cuda":
-        both = both.pin_memory()
-    return list(both.to(device, non_blocking=True).split([t.numel() for t in host]))
+_rings: dict[torch.device, PinnedRing] = {}
+
+
+def upload(host: list[np.ndarray], device: torch.device) -> list[torch.Tensor]:
+    """Host integer arrays as int32 tensors on `device`, in one copy from pinned memory on CUDA
+    (pinned_ring.py: it queues behind the running step instead of waiting for it)."""
+    return staging_ring(device).upload(host)
+
+
+def staging_ring(device: torch.device) -> PinnedRing:
+    """The ring upload() copies through on `device` (for tables copied into fixed addresses)."""
+    device = torch.device(device)
+    if device not in _rings:
+        _rings[device] = PinnedRing(device)
+    return _rings[device]
 
 
 def attend(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, tables: Tables, sm_scale: float,
