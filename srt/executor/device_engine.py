@@ -110,6 +110,11 @@ class DeviceEngine:
     def upload_kv_tokens(self, slots: list[int], offset: int, source: memoryview | None = None) -> None:
         self.host_kv.upload_tokens(slots, offset, source)
 
+    def defer_host_pinning(self, seconds: float) -> None:
+        """A load from the host or disk tier is under way: the host tier's background pinning
+        waits `seconds` (host_segments.PinningGate)."""
+        self.host_kv.pinning_gate.defer(seconds)
+
     def wait_kv_uploads(self) -> None:
         self.host_kv.wait_uploads()
 

@@ -21,7 +21,7 @@ import torch
 
 from ...radix.tiered import KVMove
 from .host_loads import LayerLoads
-from .host_segments import HostSegments
+from .host_segments import HostSegments, PinningGate
 from .mem_pool import KVPool
 
 SEGMENT_BYTES = 1 << 30  # host memory is allocated (and pinned) a segment at a time
@@ -48,7 +48,8 @@ class HostKVPool:
             rows = min(self.segment_tokens, num_slots - index * self.segment_tokens)
             return (self.num_layers, rows, *self.layer_shape)
 
-        self.segments = HostSegments(num_segments, shape, self.dtype, pinned=self.cuda)
+        self.pinning_gate = PinningGate()  # loads defer the tier's background pinning (host_segments.py)
+        self.segments = HostSegments(num_segments, shape, self.dtype, pinned=self.cuda, gate=self.pinning_gate)
         self.copy_stream = torch.cuda.Stream(device) if self.cuda else None
         self._loads: LayerLoads | None = None  # load-backs the next forward scatters
         self._timed_loads: list[LayerLoads] = []  # done, their copy time not read yet

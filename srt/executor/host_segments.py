@@ -10,6 +10,12 @@ launch by at most 28 ms a GiB, and copies from it ran at the same 51 GB/s. So on
 segment is mapped, touched and registered (in short calls) by one background thread from
 start-up on, in the order slots are handed out (a 78 GB tier takes ~6 s); a copy waits only
 for a segment not ready yet. On CPU a segment is plain memory allocated when first used.
+
+That background work (touching pages on every core, then holding the driver) halves the speed
+of a request's KV read from disk beside it: on an H100 host (2026-12-07) a 16k-token prefix
+took 0.26-0.40 s to serve from disk while a fresh server pinned its 8 GB host tier, 0.15 s
+once it was done. So a load defers the pinning (PinningGate): the worker waits between pieces
+while one is under way, unless a copy is waiting for a segment it has not pinned yet.
 """
 
 from __future__ import annotations
@@ -26,11 +32,31 @@ logger = logging.getLogger(__name__)
 REGISTER_BYTES = 256 << 20  # pinned per driver call: a launch waits ~7 ms at most behind one
 
 
+class PinningGate:
+    """Background pinning waits while a latency-critical load runs (defer), without a release
+    that could be forgotten: a deferral expires by itself."""
+
+    def __init__(self) -> None:
+        self._until = 0.0
+
+    def defer(self, seconds: float) -> None:
+        """No background pinning begins for `seconds` from now (unless a copy needs it)."""
+        self._until = max(self._until, time.monotonic() + seconds)
+
+    def wait(self, needed) -> None:
+        """Returns once no deferral holds or `needed()` is true."""
+        while not needed() and (left := self._until - time.monotonic()) > 0:
+            time.sleep(min(left, 0.002))
+
+
 class HostSegments:
     """`count` segments of `shape(i)` elements of `dtype`; `get(i)` waits for segment i."""
 
-    def __init__(self, count: int, shape, dtype: torch.dtype, pinned: bool):
+    def __init__(self, count: int, shape, dtype: torch.dtype, pinned: bool, gate: PinningGate | None = None):
+        """gate: pinning pauses between pieces while it defers (none: never)."""
         self._shape, self._dtype, self._pinned = shape, dtype, pinned
+        self._gate = gate
+        self._needed = False  # a copy waits for a segment not pinned yet: no more deferring
         self._mappings: list[tuple[mmap.mmap, list[int]] | None] = [None] * count
         self._segments: list[torch.Tensor | Future | None] = [None] * count
         self.wait_seconds = 0.0
@@ -42,6 +68,7 @@ class HostSegments:
     def get(self, index: int) -> torch.Tensor:
         seg = self._segments[index]
         if isinstance(seg, Future):
+            self._needed = True
             start = time.perf_counter()
             seg = seg.result()  # raises what pinning raised
             self.wait_seconds += time.perf_counter() - start
@@ -74,12 +101,14 @@ class HostSegments:
         if hasattr(mmap, "MADV_HUGEPAGE"):
             mapping.madvise(mmap.MADV_HUGEPAGE)
         tensor = torch.frombuffer(mapping, dtype=torch.uint8)
-        tensor.zero_()  # fault the pages in here, not inside the driver call
         base = tensor.data_ptr()
         registered = []
         step = self.piece_bytes(index)
         for offset in range(0, nbytes, step):
             size = min(step, nbytes - offset)
+            if self._gate is not None:
+                self._gate.wait(lambda: self._needed)
+            tensor[offset:offset + size].zero_()  # fault the pages in here, not inside the driver call
             err = torch.cuda.cudart().cudaHostRegister(base + offset, size, 0)
             if int(err) != 0:  # still usable, only slower: copies from it are synchronous
                 logger.warning("host KV segment %d: cudaHostRegister failed (%s); part of it stays pageable",

@@ -23,6 +23,10 @@ logger = logging.getLogger(__name__)
 
 STORAGE_BLOCK_TOKENS = 64
 STORAGE_ROUND_BYTES = 256 << 20  # disk blocks read per round (the engine's staging buffer)
+# A load defers the host tier's background pinning (host_segments.PinningGate) for the time it
+# would take at LOAD_BYTES_PER_S, plus LOAD_DEFER_S.
+LOAD_BYTES_PER_S = 10e9
+LOAD_DEFER_S = 0.05
 
 
 class CacheTiers:
@@ -72,6 +76,7 @@ class CacheTiers:
             return match, 0, 0
         try:
             if match.host_nodes:
+                self._defer_pinning(match.host_len)
                 loaded = self.tree.load_back(match, self._alloc)
                 if loaded is not match:
                     host = loaded.matched_len - match.matched_len
@@ -89,6 +94,9 @@ class CacheTiers:
         # admitted into it then run as one batch, layer by layer, beside the prefill.
         self.stats["host_hit_tokens"] += host
         return match, host, storage
+
+    def _defer_pinning(self, tokens: int) -> None:
+        self.engine.defer_host_pinning(LOAD_DEFER_S + tokens * self.bytes_per_token / LOAD_BYTES_PER_S)
 
     def _relock(self, old: TieredMatch, new: TieredMatch) -> None:
         self.tree.lock(new.node)
@@ -116,6 +124,7 @@ class CacheTiers:
         try:
             while i < len(keys):
                 batch = keys[i:i + per_round]
+                self._defer_pinning(len(batch) * b)
                 if claim is None:  # read into the engine's (pinned) staging buffer
                     source, offset = None, 0
                     found = self.storage.get_many_into(batch, self.engine.kv_staging(len(batch) * block_bytes))
@@ -155,7 +164,10 @@ class CacheTiers:
             return
         b = self.block_tokens
         keys = self.storage.block_keys(key[:len(key) // b * b], namespace)
-        self.prefetch.start(rid, keys, self.tree.cached_prefix_len(key, namespace) // b)
+        first = self.tree.cached_prefix_len(key, namespace) // b
+        if first < len(keys) and self.storage.contains(keys[first]):  # a load is coming
+            self._defer_pinning((len(keys) - first) * b)
+        self.prefetch.start(rid, keys, first)
 
     def forget(self, rid: str) -> None:
         """A request's prefetch is no longer wanted (it was aborted, or admitted without it)."""
