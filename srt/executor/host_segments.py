@@ -11,11 +11,10 @@ segment is mapped, touched and registered (in short calls) by one background thr
 start-up on, in the order slots are handed out (a 78 GB tier takes ~6 s); a copy waits only
 for a segment not ready yet. On CPU a segment is plain memory allocated when first used.
 
-That background work (touching pages on every core, then holding the driver) halves the speed
-of a request's KV read from disk beside it: on an H100 host (2026-12-07) a 16k-token prefix
-took 0.26-0.40 s to serve from disk while a fresh server pinned its 8 GB host tier, 0.15 s
-once it was done. So a load defers the pinning (PinningGate): the worker waits between pieces
-while one is under way, unless a copy is waiting for a segment it has not pinned yet.
+That background work (touching pages on every core, then holding the driver) slows a request's
+KV load from disk or host beside it to about half its speed (docs/hicache.md, the restart
+profile). So a load defers the pinning (PinningGate): the worker waits between pieces while one
+is under way, unless a copy is waiting for a segment it has not pinned yet.
 """
 
 from __future__ import annotations

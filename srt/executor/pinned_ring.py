@@ -2,11 +2,10 @@
 
 A copy from pinned memory is asynchronous: it queues behind the running step instead of
 waiting for it, which overlap scheduling needs. Pinning a fresh tensor every step
-(Tensor.pin_memory) did that at a price: on an H100 host, py-spy over the deterministic mode's
-offline run (2026-12-07, Llama-3.1-8B shape, ~250 decode rows) found ~3 ms a step in it, more
-than building the tables. Here each of a few buffers is written again only once the copy that
-last read it has run (its CUDA event, long done by then), and the tables are concatenated
-straight into it, converted to int32 on the way.
+(Tensor.pin_memory) did that at a price larger than building the tables (docs/deterministic.md
+has the profile). Here each of a few buffers is written again only once the copy that last
+read it has run (its CUDA event, long done by then), and the tables are concatenated straight
+into it, converted to int32 on the way.
 """
 
 from __future__ import annotations
