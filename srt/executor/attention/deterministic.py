@@ -137,7 +137,7 @@ class _Group:
         scores = _masked_scores(scores, key_pos, positions[:, None, :, None], scale, spec)  # seen: [R, blocks, rows, KB]
         # The max is exact in any order; every query sees at least its own key.
         top = scores.amax(dim=(2, 5), keepdim=True)
-        weights = torch.exp(scores - top)
+        weights = scores.sub_(top).exp_()  # in place: these are the tile's largest tensors
         flat_w = pad_rows(weights.reshape(num_reqs, num_kv_heads, blocks, group * rows, KEY_BLOCK), 3)
         products = torch.matmul(flat_w, values)  # [R, Hkv, blocks, rows padded, D]
         totals, acc = _sum_blocks_in_order(weights.sum(dim=-1), products, dim=2)  # totals: [R, Hkv, group, rows]
@@ -225,16 +225,16 @@ class _SharedBlocks:
 
 def _masked_scores(scores: torch.Tensor, key_pos: torch.Tensor, query_pos: torch.Tensor, scale: float,
                    spec: LayerAttention) -> torch.Tensor:
-    """Scaled (and soft-capped) scores, -inf where the query may not see the key. `scores` is
+    """Scaled (and soft-capped) scores, -inf where the query may not see the key, in place. `scores` is
     [N, Hkv, A, group, B, KB] or [N, Hkv, A, group, KB], and the positions broadcast to
     [N, A, (B,) KB], the mask's shape without the KV-head and group axes."""
-    scores = scores * scale
+    scores.mul_(scale)  # in place: `scores` is a fresh product, and each pass allocates ~MBs
     if spec.logit_softcap is not None:
-        scores = torch.tanh(scores / spec.logit_softcap) * spec.logit_softcap
+        scores.div_(spec.logit_softcap).tanh_().mul_(spec.logit_softcap)
     seen = key_pos <= query_pos
     if spec.sliding_window is not None:
         seen &= key_pos > query_pos - spec.sliding_window
-    return scores.masked_fill(~seen[:, None, :, None], float("-inf"))
+    return scores.masked_fill_(~seen[:, None, :, None], float("-inf"))
 
 
 def _sum_blocks_in_order(sums: torch.Tensor, products: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
