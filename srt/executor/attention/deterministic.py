@@ -214,7 +214,7 @@ class _SharedBlocks:
         products = torch.zeros(num_reqs + 1, self.num_blocks, num_kv_heads, group, head_dim, device=queries.device)
         for members, index, scores, values in scored:
             count, size = members.shape
-            weights = torch.exp(scores - top[members].transpose(1, 2)[..., None])
+            weights = scores.sub_(top[members].transpose(1, 2)[..., None]).exp_()
             sums[members, index[:, None]] = weights.sum(dim=-1).transpose(1, 2)
             flat = pad_rows(weights.reshape(count, num_kv_heads, size * group, KEY_BLOCK), 2)
             out = torch.matmul(flat, values)[:, :, :size * group].view(count, num_kv_heads, size, group, head_dim)
