@@ -135,13 +135,15 @@ def corrupt(files: list[Path]) -> None:
     files[1].write_bytes(files[1].read_bytes()[:100])  # truncated
 
 
-DISK_SETTINGS = dict(max_total_tokens=2048, enable_hierarchical_cache=True, hicache_storage_backend="file")
+def disk_settings(directory: Path) -> dict:
+    """Engine settings with a disk tier in `directory`."""
+    return dict(max_total_tokens=2048, enable_hierarchical_cache=True, hicache_storage_backend="file",
+                hicache_storage_dir=str(directory))
 
 
 def written_to_disk(directory: Path, ids: list[int]) -> dict:
-    """Engine settings with a disk tier in `directory`, where an Engine that ran `ids` and
-    stopped has left its blocks."""
-    args = {**DISK_SETTINGS, "hicache_storage_dir": str(directory)}
+    """disk_settings(directory), where an Engine that ran `ids` and stopped has left its blocks."""
+    args = disk_settings(directory)
     writer = Engine(**args)
     try:
         writer.generate(input_ids=ids, sampling_params=GREEDY)
@@ -150,11 +152,14 @@ def written_to_disk(directory: Path, ids: list[int]) -> dict:
     return args
 
 
+SLOW_DISK_PROMPT = prompt(13, 1500)
+
+
 @pytest.fixture(scope="module")
 def slow_disk_blocks(tmp_path_factory) -> Path:
-    """A disk tier's directory holding the blocks of prompt(13, 1500)."""
+    """A disk tier's directory holding the blocks of SLOW_DISK_PROMPT."""
     directory = tmp_path_factory.mktemp("slow-disk")
-    written_to_disk(directory, prompt(13, 1500))
+    written_to_disk(directory, SLOW_DISK_PROMPT)
     return directory
 
 
@@ -270,10 +275,10 @@ def test_prefetch_policies_bound_the_wait_for_a_slow_disk(tmp_path: Path, refere
     """A request's 23 disk blocks are read while it waits, 8 at a time; on a disk that takes a
     second a block, admission takes none (best_effort), what came within 1.5 s (timeout), or all
     (wait_complete), and prefills the rest: the output is the same."""
-    ids = prompt(13, 1500)
+    ids = SLOW_DISK_PROMPT
     want = reference(ids)
     shutil.copytree(slow_disk_blocks, tmp_path, dirs_exist_ok=True)  # the blocks, written once for all three
-    args = {**DISK_SETTINGS, "hicache_storage_dir": str(tmp_path)}
+    args = disk_settings(tmp_path)
     read = KVStorage.get_into
 
     def slow_read(self, key, out):  # a slow disk: the fault this policy is for
