@@ -46,14 +46,9 @@ def _linear(x, w, b):
     return x @ w.T + (b if b is not None else 0)
 
 
-def test_a_faster_product_is_used_only_for_shapes_where_it_gives_the_same_bits():
-    """cuBLAS stands in for the Triton kernel only at shapes where it matched it on a random
-    probe. Here the fast product differs (as a split-K kernel would) at 128 padded rows, but not
-    on zeros: a call of zeros there must not prove it, and keeps the reference's bits."""
-    import torch
-
-    from radixlm.srt.executor.batch_invariant_gemm import ProvenFastPath
-
+def _counted_products():
+    """(call counts, fast, reference): a stand-in fast product that differs from the reference
+    at 128 padded rows (as a split-K kernel would), but not on zeros."""
     calls = {"fast": 0, "reference": 0}
 
     def fast(x, w, b):
@@ -65,6 +60,18 @@ def test_a_faster_product_is_used_only_for_shapes_where_it_gives_the_same_bits()
         calls["reference"] += 1
         return _linear(x, w, b)
 
+    return calls, fast, reference
+
+
+def test_a_faster_product_is_used_only_for_shapes_where_it_gives_the_same_bits():
+    """cuBLAS stands in for the Triton kernel only at shapes where it matched it on a random
+    probe. Here the fast product differs (as a split-K kernel would) at 128 padded rows, but not
+    on zeros: a call of zeros there must not prove it, and keeps the reference's bits."""
+    import torch
+
+    from radixlm.srt.executor.batch_invariant_gemm import ProvenFastPath
+
+    calls, fast, reference = _counted_products()
     path = ProvenFastPath(fast, reference, min_rows=64, row_bucket=64)
     torch.manual_seed(0)
     x, w = torch.randn(200, 32), torch.randn(48, 32)
@@ -75,8 +82,36 @@ def test_a_faster_product_is_used_only_for_shapes_where_it_gives_the_same_bits()
         y = path.run(x[:m], w, None)
         assert y.shape == (m, 48) and torch.equal(y, reference(x[:m], w, None)), m
     assert path.same_bits == {(128, 48, 32, torch.float32, torch.float32, None, None): False,
-                              (64, 48, 32, torch.float32, torch.float32, None, None, 32, x.data_ptr() % 256): True,
+                              (64, 48, 32, torch.float32, torch.float32, None, None, 32, x.data_ptr() % 256 // 4): True,
                               (192, 48, 32, torch.float32, torch.float32, None, None): True}
     calls.update(fast=0, reference=0)
     path.run(x[:64], w, None), path.run(x[:150], w, None), path.run(x[:120], w, None)
     assert calls == {"fast": 2, "reference": 0}  # proven shapes run the fast product alone; None for 128
+
+
+def test_row_buckets_proven_ahead_serve_their_first_call_from_the_fast_product():
+    """What the engine proves before capturing CUDA graphs: a bucket proven ahead answers both a
+    padded call and an exact one of a contiguous input; a bucket whose proof failed never runs
+    the fast product; one proof stands for every weight of the same shape."""
+    import torch
+
+    from radixlm.srt.executor.batch_invariant_gemm import ProvenFastPath
+
+    calls, fast, reference = _counted_products()
+    path = ProvenFastPath(fast, reference, min_rows=64, row_bucket=64)
+    torch.manual_seed(0)
+    w, other = torch.randn(48, 32), torch.randn(48, 32)
+    for rows in (64, 128, 192):
+        path.prove_rows(rows, w, None, torch.float32)
+        path.prove_rows(rows, other, None, torch.float32)  # the same shape: already proven
+    assert calls == {"fast": 3, "reference": 3}
+    path.settle()  # nothing pending on CPU
+    assert sorted(path.same_bits.values()) == [False, False, True, True, True, True]
+    key = (192, 48, 32, torch.float32, torch.float32, None, None)
+    assert path.same_bits[key] is True and path.same_bits[key + (32, 0)] is True  # padded, and exact
+    calls.update(fast=0, reference=0)
+    x = torch.randn(150, 32)
+    assert path.run(x[:70], other, None) is None  # 128 rows: disproven, the caller runs the reference
+    y = path.run(x, other, None)  # 192 rows: proven ahead, the fast product at once
+    assert calls == {"fast": 1, "reference": 0}
+    assert torch.equal(y, reference(x, other, None))

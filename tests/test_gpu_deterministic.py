@@ -16,6 +16,7 @@ row bit-identical, bf16 and FP8 pools); the engine tests have not run with it ye
 from __future__ import annotations
 
 import json
+import random
 
 import pytest
 import torch
@@ -23,8 +24,8 @@ import torch
 from benchmarks.models import LLAMA_8B_CONFIG
 from deterministic_attention_checks import FP8, SPECS, Setup, cascade_variants, differing, variants_of_one_row
 from gpu_helpers import llama3_tokenizer_path
-from test_deterministic import (_answers_beside_companions, _loglikelihoods, _prefix_cases,
-                                assert_one_answer_per_prompt)
+from test_deterministic import (GREEDY, PROMPT, SEEDED, _answers_beside_companions, _loglikelihoods,
+                                _prefix_cases, assert_one_answer_per_prompt)
 
 from radixlm.srt.executor.attention import deterministic_triton as kernel
 
@@ -97,6 +98,15 @@ def test_the_flag_runs_the_triton_attention_with_cuda_graphs(det_engine):
     runner = det_engine.scheduler.engine.runner
     assert isinstance(runner.attn_backend, TritonDeterministicBackend)
     assert runner.graph_runner is not None
+    # Every row bucket of the projections was proven before the graphs were captured, so a
+    # captured product runs in cuBLAS wherever cuBLAS gives the kernel's bits.
+    from radixlm.srt.executor.batch_invariant import InvariantLinear
+    from radixlm.srt.executor.batch_invariant_gemm import CUBLAS
+
+    qkv = next(m for m in runner.model.modules() if isinstance(m, InvariantLinear)).weight
+    verdicts = [v for k, v in CUBLAS.same_bits.items() if k[1:3] == tuple(qkv.shape) and k[0] <= 8192]
+    assert len(verdicts) >= 2 * 8192 // 64 and all(isinstance(v, bool) for v in verdicts)
+    assert any(verdicts)
 
 
 @pytest.mark.parametrize("pool", [torch.bfloat16, FP8], ids=["bf16", "fp8"])
@@ -183,6 +193,23 @@ def test_companions_do_not_change_the_answer(det_engine, plain_engine):
     assert len(greedy) == 1 and len(seeded) == 1
     greedy, seeded = _answers_beside_companions(plain_engine, 10)
     assert len(greedy) > 1 or len(seeded) > 1
+
+
+def test_decode_batches_of_cublas_graphs_do_not_change_the_answer(det_engine):
+    """Decode batches of 64 requests and more replay graphs whose projections run in cuBLAS,
+    proven before capture to give the Triton kernel's bits: the prompt decoded alone and beside
+    62 and 150 companions (graphs of 64 rows, a product of exactly 64, and of 160 rows, padded
+    to 192) gives one greedy answer and one seeded sample."""
+    rng = random.Random(0)
+    words = ["red", "tree", "seven", "walked", "over", "the"]
+    greedy, seeded = set(), set()
+    for n in (0, 62, 150):
+        others = [" ".join(rng.choice(words) for _ in range(rng.randint(1, 40))) for _ in range(n)]
+        longer = {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True}  # the batch stays full
+        out = det_engine.generate([PROMPT, PROMPT] + others, [GREEDY, SEEDED] + [longer] * n, return_logprob=True)
+        for found, result in ((greedy, out[0]), (seeded, out[1])):
+            found.add((result["text"], tuple(lp for lp, *_ in result["meta_info"]["output_token_logprobs"])))
+    assert len(greedy) == 1 and len(seeded) == 1, (greedy, seeded)
 
 
 def test_cached_and_chunked_prefixes_give_the_same_answer(det_engine, plain_engine, config_path):

@@ -98,6 +98,38 @@ def make_batch_invariant(model: nn.Module, device: torch.device) -> int:
             if is_plain_linear(child):
                 setattr(parent, child_name, InvariantLinear(child))
                 replaced += 1
-    head = CudaLinear(model.lm_head_weight)
-    model.head_linear = lambda x, weight: head(x)  # `weight` is the one `head` holds
+    model.head_linear = InvariantHead(model.lm_head_weight)
     return replaced
+
+
+class InvariantHead:
+    """The LM head's product (the model's `head_linear(x, weight)`) computed batch-invariantly;
+    `weight` is the one it holds."""
+
+    def __init__(self, weight: torch.Tensor):
+        self.product = CudaLinear(weight)
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return self.product(x)
+
+
+def prove_fast_products(model: nn.Module, dtype: torch.dtype, max_rows: int, max_head_rows: int) -> dict[str, int]:
+    """Proves cuBLAS (batch_invariant_gemm.CUBLAS) at every row bucket a step can reach, and
+    waits for the verdicts: each projection up to max_rows rows (a prefill step's tokens), the
+    LM head up to max_head_rows (a decode step's requests). Run before CUDA graphs are captured:
+    a shape first met while capturing cannot be proven and stays in the Triton kernel, and a
+    shape first met while serving runs there until its proof comes back. Returns how many
+    shapes were proven and how many of them run in cuBLAS."""
+    from .batch_invariant_gemm import CUBLAS
+
+    products = [m.product for m in model.modules() if isinstance(m, InvariantLinear)]
+    head = getattr(model, "head_linear", None)
+    bucket = CUBLAS.row_bucket
+    heads = [head.product] if isinstance(head, InvariantHead) else []
+    for limit, group in ((max_rows, products), (max_head_rows, heads)):
+        for rows in range(max(CUBLAS.min_rows, bucket), limit + bucket, bucket):
+            for product in group:
+                CUBLAS.prove_rows(rows, product.weight, product.bias, dtype)
+    CUBLAS.settle()
+    verdicts = list(CUBLAS.same_bits.values())
+    return {"shapes": len(verdicts), "fast": sum(v is True for v in verdicts)}

@@ -14,8 +14,9 @@ cuBLAS is faster at prefill sizes, and where its kernel for a shape does not spl
 the same order (tensor-core steps walked over K from 0) and so gives the same bits. Which shapes
 those are is cuBLAS's choice, so it is proven, not assumed: the first call of each (row count
 rounded up to a multiple of 64, N, K, dtypes) runs both on a random input of that shape and keeps
-cuBLAS for it only if every output matched (ProvenFastPath). A call's bits are therefore always
-the Triton kernel's.
+cuBLAS for it only if every output matched (ProvenFastPath; the engine proves every row count
+it can meet at start-up, batch_invariant.prove_fast_products). A call's bits are therefore
+always the Triton kernel's.
 """
 
 from __future__ import annotations
@@ -121,15 +122,14 @@ class ProvenFastPath:
         if m < self.min_rows:
             return None
         rows = -(-m // self.row_bucket) * self.row_bucket
-        # cuBLAS picks its kernel by shape, strides and pointer alignment: all are in the key.
-        key = (rows, weight.shape[0], weight.shape[1], x.dtype, weight.dtype, None if bias is None else bias.dtype,
-               x.device.index) + ((x.stride(0), x.data_ptr() % 256) if rows == m else ())
+        exact = (x.stride(0), x.data_ptr() % 256 // x.element_size()) if rows == m else None
+        key = _key(rows, weight, bias, x.dtype, exact)
         same = self.same_bits.get(key)
         capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
         if same is None:
             if capturing:
                 return None
-            same = self.same_bits[key] = self._prove(x, rows, weight, bias)
+            same = self.same_bits[key] = self._prove(rows, weight, bias, x.dtype, exact)
         if isinstance(same, _PendingProof):
             verdict = None if capturing else same.verdict()
             if verdict is None:
@@ -140,21 +140,47 @@ class ProvenFastPath:
         padded = x if rows == m else torch.cat([x, x.new_zeros(rows - m, x.shape[1])])
         return self.fast(padded, weight, bias)[:m]
 
-    def _prove(self, x: torch.Tensor, rows: int, weight: torch.Tensor,
-               bias: torch.Tensor | None) -> bool | _PendingProof:
-        """Whether fast and reference give the same bits on a random input shaped as the call's
-        (padded: a fresh [rows, K] tensor; else x's row stride and pointer alignment); on CUDA,
-        a _PendingProof of it."""
-        k = x.shape[1]
-        stride = k if rows != x.shape[0] else x.stride(0)
-        offset = 0 if rows != x.shape[0] else x.data_ptr() % 256 // x.element_size()
-        generator = torch.Generator(device=x.device).manual_seed(0)
-        flat = torch.randn(offset + (rows - 1) * stride + k, generator=generator, device=x.device).to(x.dtype)
+    def prove_rows(self, rows: int, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> None:
+        """Starts the proof for calls of `rows` rows (a multiple of row_bucket) of `dtype`, unless
+        met already: a call of fewer rows padded up to it, and one of exactly `rows` rows of a
+        contiguous tensor at an aligned address (the same probe, so one proof answers both).
+        Run before CUDA graphs are captured, so that their products may be proven too (settle())."""
+        keys = [_key(rows, weight, bias, dtype, None), _key(rows, weight, bias, dtype, (weight.shape[1], 0))]
+        if any(key not in self.same_bits for key in keys):
+            proof = self._prove(rows, weight, bias, dtype, None)
+            for key in keys:
+                self.same_bits.setdefault(key, proof)
+
+    def settle(self) -> None:
+        """Waits for the device and reads every proof still on it: a graph captured next uses
+        the fast product at each proven shape (a pending verdict cannot be read while capturing)."""
+        if any(isinstance(v, _PendingProof) for v in self.same_bits.values()):
+            torch.cuda.synchronize()
+            self.same_bits = {k: v.verdict() if isinstance(v, _PendingProof) else v for k, v in self.same_bits.items()}
+
+    def _prove(self, rows: int, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype,
+               exact: tuple[int, int] | None) -> bool | _PendingProof:
+        """Whether fast and reference give the same bits on a random [rows, K] input: a fresh
+        tensor for padded calls, else one with the call's row stride and pointer alignment
+        (`exact`, in elements); on CUDA, a _PendingProof of it."""
+        k = weight.shape[1]
+        stride, offset = exact if exact is not None else (k, 0)
+        generator = torch.Generator(device=weight.device).manual_seed(0)
+        flat = torch.randn(offset + (rows - 1) * stride + k, generator=generator, device=weight.device).to(dtype)
         probe = flat.as_strided((rows, k), (stride, 1), offset)
         fast, reference = self.fast(probe, weight, bias), self.reference(probe, weight, bias)
-        if x.is_cuda:
+        if weight.is_cuda:
             return _PendingProof(fast.shape == reference.shape and (fast == reference).all())
         return torch.equal(fast, reference)
+
+
+def _key(rows: int, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype,
+         exact: tuple[int, int] | None) -> tuple:
+    """A proof's key. cuBLAS picks its kernel by shape, strides and pointer alignment: all are in
+    it (a call of exactly `rows` rows also by its row stride and alignment, `exact`; a padded
+    call's input is a fresh tensor)."""
+    return (rows, weight.shape[0], weight.shape[1], dtype, weight.dtype, None if bias is None else bias.dtype,
+            weight.device.index) + (exact or ())
 
 
 class _PendingProof:

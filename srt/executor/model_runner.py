@@ -72,8 +72,9 @@ class ModelRunner:
             from .batch_invariant import check_deterministic_settings, make_batch_invariant
 
             check_deterministic_settings(args)
-
             make_batch_invariant(self.model, self.device)
+            if self.device.type == "cuda":
+                self._prove_fast_products()
         elif self.device.type == "cpu" and self.kernels.onednn_linear and onednn_available():
             pack_projections(self.model)
         self.lora = None  # --enable-lora: the adapters' device slots in the projections
@@ -105,6 +106,20 @@ class ModelRunner:
         logger.info("model ready on %s (%s, %s attention, %s ops, CUDA graphs %s) in %.1fs, %d KV slots",
                     self.device, self.dtype, self.attention_backend_name, self.ops.name,
                     "on" if self.graph_runner else "off", time.perf_counter() - start, num_kv_slots)
+
+    def _prove_fast_products(self) -> None:
+        """cuBLAS proven at every row count a step can reach before the graphs are captured
+        (batch_invariant.prove_fast_products)."""
+        from .batch_invariant import prove_fast_products
+
+        sched = self.args.scheduler
+        prefill = min(sched.max_prefill_tokens, sched.chunked_prefill_size)
+        max_rows = max(prefill + (sched.max_running_requests if sched.enable_mixed_chunk else 0),
+                       sched.max_running_requests)
+        started = time.perf_counter()
+        proven = prove_fast_products(self.model, self.dtype, max_rows, sched.max_running_requests)
+        logger.info("deterministic GEMMs: cuBLAS gives the Triton kernel's bits at %d of %d shapes up to %d rows "
+                    "(proven in %.1fs)", proven["fast"], proven["shapes"], max_rows, time.perf_counter() - started)
 
     def _make_backend(self, req_to_token: torch.Tensor) -> AttentionBackend:
         cfg = self.config
