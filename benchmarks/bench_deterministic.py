@@ -7,7 +7,9 @@ throughput (groups of prompts sharing a long prefix). On a GPU each engine first
 version of each workload, untimed (64 offline prompts, two prefix groups): graph buckets, kernel
 loads and the first cuBLAS proofs of a shape then fall outside the timing, in both engines.
 Prints one JSON line per engine and workload, and one ratio line per workload (flag / baseline;
-> 1 is faster for throughput).
+> 1 is faster for throughput). On a GPU the offline lines also split the device's time: forwards
+by step kind, and the gaps between forwards (sampling, and the device waiting for the host)
+by the kind of step that followed.
 
     python -m benchmarks.bench_deterministic [--out FILE]                 # CPU, default model
     python -m benchmarks.bench_deterministic --llama8b --tokenizer-path T  # GPU, 8B shape, dummy weights
@@ -22,6 +24,7 @@ import time
 
 import torch
 
+from .engine_runs import StepTimer
 from .gpu_workloads import offline_workload, random_prompts, shared_prefix_workload
 from .gpu_measure import device_name
 from .harness import Reporter, command_line, ratio, run_frame
@@ -50,10 +53,21 @@ def _generate(engine, prompts: list[list[int]], out_lens: list[int]) -> None:
 
 
 def offline(engine, prompts, out_lens) -> dict:
+    """Throughput; on a GPU also the device time by step kind and the gaps between forwards
+    (engine_runs.StepTimer: CUDA events, which leave overlap scheduling alone)."""
     engine.flush_cache()
-    seconds = _seconds(lambda: _generate(engine, prompts, out_lens))
+    timer = StepTimer(engine.scheduler.engine.runner) if torch.cuda.is_available() else None
+    try:
+        seconds = _seconds(lambda: _generate(engine, prompts, out_lens))
+        split = {}
+        if timer is not None:
+            split_s, steps = timer.split_s(seconds)
+            split = {"split_s": split_s, "gaps_s": timer.gaps(), "steps": steps}
+    finally:
+        if timer is not None:
+            timer.remove()
     engine.flush_cache()
-    return {"seconds": round(seconds, 2), "output_tok_s": round(sum(out_lens) / seconds, 1)}
+    return {"seconds": round(seconds, 2), "output_tok_s": round(sum(out_lens) / seconds, 1), **split}
 
 
 def decode_ms(engine, prompt: list[int], short: int, long: int) -> dict:

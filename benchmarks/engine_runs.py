@@ -66,6 +66,16 @@ class StepTimer:
             steps[kind] += 1
         return seconds, steps
 
+    def gaps(self) -> dict[str, float]:
+        """Seconds between one forward's end and the next one's start on the device (sampling,
+        the host's work the device waited for), summed by the kind of the forward that followed:
+        where a run's idle device time is."""
+        torch.cuda.synchronize()
+        gaps = {"before_extend": 0.0, "before_decode": 0.0}
+        for (_, _, end), (kind, start, _) in zip(self.events, self.events[1:]):
+            gaps[f"before_{kind}"] += end.elapsed_time(start) / 1e3
+        return {k: round(v, 2) for k, v in gaps.items()}
+
     def split_s(self, wall_seconds: float) -> tuple[dict[str, float], dict[str, int]]:
         """The report's "split_s" (device seconds per kind, and the rest of `wall_seconds`) and steps."""
         device_s, steps = self.split()
