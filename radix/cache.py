@@ -172,21 +172,34 @@ class RadixCache:
     def cached_prefix_len(self, key: Sequence[int], namespace: Hashable = None) -> int:
         """What `match_prefix` would match, read-only: no split, no LRU touch, no statistics.
         For scheduling priority, which may ask about the same request many times."""
+        return sum(tokens for _, tokens in self._cached_path(key, namespace))
+
+    def admission_priority(self, key: Sequence[int], namespace: Hashable = None) -> float:
+        """How much prefill the cache saves a request of `key`, for the waiting queue's
+        longest-prefix-first order: its cached prefix's length."""
+        return self.cached_prefix_len(key, namespace)
+
+    def _cached_path(self, key: Sequence[int], namespace: Hashable = None) -> list[tuple[TreeNode, int]]:
+        """The nodes `match_prefix` would walk for `key`, each with how many of its tokens
+        match (whole pages), read-only."""
         root = self._roots.get(namespace)
         if self.disable or root is None:
-            return 0
+            return []
         key = self._aligned(key)
         ps, n, pos, node = self.page_size, len(key), 0, root
+        path: list[tuple[TreeNode, int]] = []
         while pos < n:
             child = node.children.get(tuple(key[pos:pos + ps]))
             if child is None:
                 break
             m = common_prefix_len(child.key, key, pos)
             if m < len(child.key):
-                return pos + m - m % ps
+                path.append((child, m - m % ps))
+                break
+            path.append((child, m))
             pos += m
             node = child
-        return pos
+        return path
 
     def _walk(self, node: TreeNode, key: list[int], now: int) -> tuple[TreeNode, int]:
         """Follows `key` down from `node`, marking the path used at `now`.

@@ -106,6 +106,21 @@ def test_evicted_prefix_comes_back_from_the_host() -> None:
     tree.check_invariants()
 
 
+def test_a_prefix_on_the_device_is_admitted_before_an_equal_one_on_the_host() -> None:
+    """Chat turns returning together: the conversation whose history is still on the device goes
+    first; loading the others back first would evict it. A longer prefix still wins."""
+    tree, mem = make()
+    on_host, on_device, longer = list(range(10)), list(range(100, 110)), list(range(200, 216))
+    for key in (on_host, longer):
+        run_request(tree, mem, None, key)
+    tree.evict(CAPACITY)
+    mem.apply(tree.take_moves())
+    run_request(tree, mem, None, on_device)
+    assert [tree.cached_prefix_len(k) for k in (on_host, on_device, longer)] == [10, 10, 16]
+    priority = [tree.admission_priority(k + [7]) for k in (on_host, on_device, longer)]
+    assert priority[1] == 10 and priority[1] > priority[0] > 0 and priority[2] > priority[1]
+
+
 def test_a_node_is_dropped_only_when_the_host_is_full() -> None:
     mem = Memory(CAPACITY, 8)
     tree = TieredRadixCache(CAPACITY, mem.release, 8)

@@ -131,8 +131,9 @@ class PrefillManager:
     def _ordered_waiting(self) -> list[Req]:
         if not self.longest_prefix_first or self.tree.disable or len(self.waiting) > LPM_MAX_QUEUE:
             return list(self.waiting)
-        # Longest cached prefix first, so shared prefixes are computed once and reused.
-        return sorted(self.waiting, key=lambda r: -self.tree.cached_prefix_len(r.fill_ids[:-1], r.namespace))
+        # Longest cached prefix first, so shared prefixes are computed once and reused (with the
+        # hierarchical cache, a prefix on the device before an equal one on the host).
+        return sorted(self.waiting, key=lambda r: -self.tree.admission_priority(r.fill_ids[:-1], r.namespace))
 
 
 def _extend_part(req: Req, extend_len: int, slots: list[int]) -> ExtendPlan:
