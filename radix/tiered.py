@@ -33,8 +33,9 @@ from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 
 from .cache import MatchResult, RadixCache, TreeNode
+from .host_slots import HostSlots
 
-__all__ = ["HostSlots", "KVMove", "TieredMatch", "TieredRadixCache"]
+__all__ = ["KVMove", "TieredMatch", "TieredRadixCache"]
 
 # What a cached token on the host saves, for admission order, against one on the device: loading
 # it back costs a copy (an 8B model on an H200: ~2.6 us a token at 50 GB/s, against ~27 us to
@@ -60,33 +61,6 @@ class TieredMatch(MatchResult):
     @property
     def host_len(self) -> int:
         return sum(len(n.key) for n in self.host_nodes)
-
-
-class HostSlots:
-    """Host-pool slot indices: a free list handing out the lowest indices first, so a fresh
-    pool gives contiguous runs (one large copy per run)."""
-
-    def __init__(self, capacity: int) -> None:
-        self.capacity = capacity
-        self._free = list(range(capacity - 1, -1, -1))
-
-    @property
-    def available_size(self) -> int:
-        return len(self._free)
-
-    def alloc(self, n: int) -> list[int] | None:
-        if n > len(self._free):
-            return None
-        taken = self._free[len(self._free) - n:]
-        del self._free[len(self._free) - n:]
-        taken.reverse()
-        return taken
-
-    def free(self, slots: Sequence[int]) -> None:
-        self._free.extend(slots)
-
-    def reset(self) -> None:
-        self._free = list(range(self.capacity - 1, -1, -1))
 
 
 class TieredRadixCache(RadixCache):
