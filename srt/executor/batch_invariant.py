@@ -122,7 +122,9 @@ def prove_fast_products(model: nn.Module, dtype: torch.dtype, max_rows: int, max
     shapes were proven and how many of them run in cuBLAS."""
     from .batch_invariant_gemm import CUBLAS
 
-    products = [m.product for m in model.modules() if isinstance(m, InvariantLinear)]
+    # A proof's key holds the shapes and dtypes, not the weight: one product per shape stands for all.
+    products = list({(m.weight.shape, m.weight.dtype, m.bias is None): m.product
+                     for m in model.modules() if isinstance(m, InvariantLinear)}.values())
     head = getattr(model, "head_linear", None)
     bucket = CUBLAS.row_bucket
     heads = [head.product] if isinstance(head, InvariantHead) else []
